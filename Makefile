@@ -1,0 +1,29 @@
+# Two entry points: `make demo` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned here (not in pyproject.toml) so pip takes the local CPU wheel instead of a CUDA download.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.dynatrain-setup
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/dynatrain fit --config recipes/llama-debug.yaml
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) bench/step_time.py
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

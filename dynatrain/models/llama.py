@@ -1,0 +1,136 @@
+"""Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Knows nothing of parallelism. Under tensor parallelism the projections hold a slice of the heads, so
+head counts are read from the local weight shapes at run time, never from the config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynatrain.models.configs import ModelConfig
+from dynatrain.models.init import init_slice, init_std
+
+
+def precompute_freqs_cis(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    return torch.polar(torch.ones(seq_len, head_dim // 2, device=device), torch.outer(t, freqs))
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor):
+    # x: (batch, seq, heads, head_dim); rotate consecutive pairs as complex numbers.
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        fc = freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, xc.shape[-1])
+        return torch.view_as_real(xc * fc).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keeps names "layers.<i>" stable, the same as torchtitan's checkpoints.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
+
+    def _freqs_cis(self, device=None) -> torch.Tensor:
+        c = self.config
+        return precompute_freqs_cis(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter (plain or DTensor) with its layout-independent initial value."""
+        cfg = self.config
+        for name, param in self.named_parameters():
+            local = _local_tensor(param)
+            shape, offset = _local_box(param)
+            value = init_slice(name, tuple(param.shape), offset, shape, init_std(name, cfg.dim, cfg.n_layers),
+                               cfg.init_seed)
+            local.copy_(value.reshape(local.shape))
+        self.freqs_cis = self._freqs_cis(device=buffer_device or self.freqs_cis.device)
+
+
+def _local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if not hasattr(param, "device_mesh"):
+        return tuple(param.shape), (0,) * param.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if not offset:  # a rank outside the mesh holds nothing
+        return (0,) * param.dim(), (0,) * param.dim()
+    return tuple(shape), tuple(offset)

@@ -1,0 +1,117 @@
+"""Parallelism as pure functions on a model: build on meta, `apply_tp`, then `apply_fsdp`, then materialise.
+
+The order matters: TP first turns weights into DTensors on the tp mesh dimension; FSDP2 then shards dim 0
+of each TP-local tensor over the data-parallel dimensions (HSDP when dp_replicate > 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dynatrain.models import tp_plan
+from dynatrain.models.configs import ModelConfig
+from dynatrain.models.llama import Transformer
+from dynatrain.vps.parallel_config import MESH_DIM_NAMES, ParallelConfig
+
+
+def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[int] | None = None) -> DeviceMesh:
+    """A (dp_replicate, dp_shard, tp) mesh. ``ranks[i]`` is the process at default position i
+    (position = (r*S + s)*T + t); every rank of the default group must call this, member or not."""
+    order = list(range(pcfg.world_size)) if ranks is None else [int(r) for r in ranks]
+    if len(order) != pcfg.world_size or len(set(order)) != len(order):
+        raise ValueError(f"layout {pcfg} needs {pcfg.world_size} distinct ranks, got {order}")
+    mesh = torch.tensor(order, dtype=torch.int).view(pcfg.mesh_shape)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def _style(style: str, sequence_parallel: bool):
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if style == tp_plan.COLWISE:
+        return ColwiseParallel()
+    if style == tp_plan.ROWWISE:
+        return RowwiseParallel(output_layouts=seq)
+    if style == tp_plan.EMBEDDING:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if style == tp_plan.REPLICATE:
+        return SequenceParallel() if sequence_parallel else None
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Transformer:
+    """Shard the projections over ``tp_mesh`` as `tp_plan` says; norms stay replicated."""
+    if tp_mesh.size() == 1:
+        return model
+    top = {name: _style(style, sequence_parallel) for name, style in tp_plan.TOP_PLAN.items()}
+    # The output projection gathers logits so the loss sees the full vocabulary on every rank.
+    top["output"] = ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Replicate()
+    )
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if v is not None})
+    for block in model.layers.values():
+        plan = {name: _style(style, sequence_parallel) for name, style in tp_plan.BLOCK_PLAN.items()}
+        if sequence_parallel:
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            )
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if v is not None})
+    return model
+
+
+def apply_fsdp(
+    model: Transformer, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> Transformer:
+    """`fully_shard` every block, then the root (embeddings, final norm, output)."""
+    kwargs = {"mesh": dp_mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
+    return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def build_parallel_model(
+    model_cfg: ModelConfig,
+    pcfg: ParallelConfig,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    sequence_parallel: bool = False,
+    device: torch.device | str | None = None,
+    materialize: bool = True,
+) -> Transformer:
+    """The model for ``pcfg`` on ``mesh``: built on meta, parallelised, then (optionally) materialised."""
+    pcfg.validate(model_cfg, mesh.size())
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    apply_fsdp(model, dp_submesh(mesh, pcfg), mp_policy=mp_policy)
+    if materialize:
+        materialize_model(model, device or torch.device(mesh.device_type))
+    return model
+
+
+def materialize_model(model: nn.Module, device: torch.device | str) -> None:
+    device = torch.device(device)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)
