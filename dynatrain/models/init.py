@@ -47,8 +47,8 @@ def init_slice(
 ) -> torch.Tensor:
     """The box ``[offset, offset + local_shape)`` of the parameter's global initial value (fp32, CPU)."""
     if std is None:
-        return torch.ones(local_shape, dtype=torch.float32)
-    out = torch.empty(local_shape, dtype=torch.float32)
+        return torch.ones(local_shape, dtype=torch.float32, device="cpu")
+    out = torch.empty(local_shape, dtype=torch.float32, device="cpu")
     if out.numel() == 0:
         return out
     lo, hi = offset[0], offset[0] + local_shape[0]
@@ -56,8 +56,8 @@ def init_slice(
     cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
     for block in range(lo // rpb, (hi - 1) // rpb + 1):
         b_lo, b_hi = block * rpb, min((block + 1) * rpb, global_shape[0])
-        gen = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        rows = torch.randn((b_hi - b_lo, *global_shape[1:]), generator=gen) * std
+        gen = torch.Generator(device="cpu").manual_seed(_block_seed(seed, name, block))
+        rows = torch.randn((b_hi - b_lo, *global_shape[1:]), generator=gen, device="cpu") * std
         s_lo, s_hi = max(lo, b_lo), min(hi, b_hi)
         out[s_lo - lo : s_hi - lo] = rows[(slice(s_lo - b_lo, s_hi - b_lo), *cols)]
     return out

@@ -86,6 +86,19 @@ def apply_fsdp(
     return model
 
 
+def parallelize_model(
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    sequence_parallel: bool = False,
+) -> Transformer:
+    """TP then FSDP on existing meshes (also meshes made by Lightning's ModelParallelStrategy)."""
+    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
+    return apply_fsdp(model, dp_mesh, mp_policy=mp_policy)
+
+
 def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
 
@@ -104,8 +117,8 @@ def build_parallel_model(
     pcfg.validate(model_cfg, mesh.size())
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
-    apply_fsdp(model, dp_submesh(mesh, pcfg), mp_policy=mp_policy)
+    parallelize_model(model, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
+                      sequence_parallel=sequence_parallel)
     if materialize:
         materialize_model(model, device or torch.device(mesh.device_type))
     return model

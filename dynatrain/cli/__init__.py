@@ -1,0 +1,42 @@
+"""The ``dynatrain`` command line.
+
+``dynatrain fit|validate --config recipes/<name>.yaml`` is LightningCLI; the other subcommands are dynatrain's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test")
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dynatrain",
+        description="Elastic LLM training on PyTorch Lightning. "
+        f"Training: dynatrain {{{','.join(LIGHTNING_COMMANDS)}}} --config RECIPE.yaml (see `dynatrain fit --help`).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from dynatrain.cli import plan
+
+    plan.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHTNING_COMMANDS:
+        from dynatrain.cli.train import run_lightning_cli
+
+        return run_lightning_cli(argv)
+    parser = _own_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

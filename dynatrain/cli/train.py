@@ -1,0 +1,33 @@
+"""`dynatrain fit`: LightningCLI over `LlamaLM` and `LlamaDataModule`, with dynatrain's trainer defaults."""
+
+from __future__ import annotations
+
+import os
+
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+
+
+def run_lightning_cli(argv: list[str]) -> int:
+    import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
+    from dynatrain.data import LlamaDataModule
+    from dynatrain.llama_lm import LlamaLM
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    cli = LightningCLI(
+        LlamaLM,
+        LlamaDataModule,
+        args=argv,
+        trainer_defaults={"strategy": "dynatrain", "accelerator": "auto", "use_distributed_sampler": False},
+        save_config_kwargs={"overwrite": True},
+        seed_everything_default=1234,
+    )
+    trainer = cli.trainer
+    if trainer.is_global_zero and argv and argv[0] == "fit":
+        losses = getattr(cli.model, "step_losses", [])
+        if losses:
+            rank_zero_info(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f} over {len(losses)} steps")
+        for logger in trainer.loggers:
+            where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+            rank_zero_info(f"{type(logger).__name__} logs: {os.path.abspath(where)}" if where else "")
+    return 0

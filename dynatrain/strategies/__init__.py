@@ -1,0 +1,3 @@
+from dynatrain.strategies.dynatrain import DynaTrainStrategy
+
+__all__ = ["DynaTrainStrategy"]

@@ -1,0 +1,170 @@
+"""`DynaTrainStrategy`: Lightning glue around a (dp_replicate, dp_shard, tp) device mesh.
+
+Built on Lightning's `ModelParallelStrategy` for process-group set-up, DCP checkpoints and the launcher;
+it owns the mesh layout (`parallel`), keeps the global batch fixed through gradient accumulation, and
+parallelises a dynatrain `Transformer` itself when the LightningModule does not do so in `configure_model`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from dynatrain.models.llama import Transformer
+from dynatrain.models.parallelize import dp_submesh, init_mesh, materialize_model, parallelize_model
+from dynatrain.vps.parallel_config import ParallelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str | None, what: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"{what}={name!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class DynaTrainStrategy(ModelParallelStrategy):
+    """FSDP2 + tensor parallelism on a ``(dp_replicate, dp_shard, tp)`` mesh.
+
+    Args:
+        parallel: ``"auto"`` or a layout such as ``"dp_replicate=2,dp_shard=2,tp=2"`` (missing terms are 1).
+        sequence_parallel: shard activations along the sequence between TP regions.
+        param_dtype: FSDP2 mixed precision: dtype parameters are gathered in (``"bfloat16"``), or None.
+        reduce_dtype: FSDP2 mixed precision: dtype of the gradient reduce-scatter.
+        verify_switches: check every layout switch bitwise.
+        save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
+    """
+
+    strategy_name = "dynatrain"
+
+    def __init__(
+        self,
+        parallel: str | ParallelConfig = "auto",
+        sequence_parallel: bool = False,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = "float32",
+        verify_switches: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._parallel_request = parallel if parallel == "auto" else ParallelConfig.parse(parallel)
+        self.sequence_parallel = sequence_parallel
+        param = _dtype(param_dtype, "param_dtype")
+        reduce = _dtype(reduce_dtype, "reduce_dtype")
+        self.mp_policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce) if param is not None else None
+        self.verify_switches = verify_switches
+        self.parallel_config: ParallelConfig | None = None
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.parallel_config.dp_size if self.parallel_config else self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        if self._device_mesh is None or self.parallel_config is None:
+            return self.global_rank
+        r, s, _ = self._device_mesh.get_coordinate()
+        return r * self.parallel_config.dp_shard + s
+
+    @property
+    def tp_rank(self) -> int:
+        if self._device_mesh is None:
+            return 0
+        return self._device_mesh.get_coordinate()[2]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def model_config(self):
+        module = self.lightning_module
+        return getattr(module, "model_config", None) if module is not None else None
+
+    def _resolve_layout(self) -> ParallelConfig:
+        world = self.world_size
+        if self._parallel_request == "auto":
+            # Pure FSDP is the best layout for the small models a single host trains; the layout planner
+            # refines this for large models.
+            pcfg = ParallelConfig(dp_shard=world)
+        else:
+            pcfg = self._parallel_request
+        return pcfg.validate(self.model_config(), world)
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self.parallel_config = self._resolve_layout()
+        self._device_mesh = self._build_mesh(self.parallel_config)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _build_mesh(self, pcfg: ParallelConfig, ranks=None) -> DeviceMesh:
+        mesh = init_mesh(pcfg, self.root_device.type, ranks)
+        # Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
+        mesh["dp_replicate", "dp_shard"]._flatten("data_parallel")
+        mesh["tp"]._flatten("tensor_parallel")
+        return mesh
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def parallelize(self, model: Transformer) -> Transformer:
+        """Apply TP and FSDP to a dynatrain Transformer for the current layout (meta or materialised)."""
+        assert self.parallel_config is not None
+        return parallelize_model(
+            model,
+            self.device_mesh["tp"],
+            dp_submesh(self.device_mesh, self.parallel_config),
+            mp_policy=self.mp_policy,
+            sequence_parallel=self.sequence_parallel,
+        )
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not is_overridden("configure_model", self.lightning_module):
+            self._parallelize_children()
+        for module in self.model.modules():
+            if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
+                materialize_model(module, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        self._set_accumulation(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize_children(self) -> None:
+        found = [m for m in self.model.modules() if isinstance(m, Transformer)]
+        if not found:
+            raise TypeError(
+                "DynaTrainStrategy found no dynatrain Transformer in the LightningModule and no `configure_model()`"
+                " override: either hold a `dynatrain.models.Transformer` or parallelise your model in"
+                " `configure_model()` using `self.device_mesh`."
+            )
+        for transformer in found:
+            self.parallelize(transformer)
+
+    def _set_accumulation(self, trainer: Trainer) -> None:
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "accumulation_for"):
+            trainer.accumulate_grad_batches = datamodule.accumulation_for(self.dp_size)

@@ -1,0 +1,70 @@
+import pytest
+
+from dynatrain.models.configs import get_model_config
+from dynatrain.vps import ParallelConfig
+
+
+def test_parse_and_defaults():
+    assert ParallelConfig.parse("dp_shard=2,tp=2") == ParallelConfig(1, 2, 2)
+    assert ParallelConfig.parse(" tp = 4 ") == ParallelConfig(tp=4)
+    assert ParallelConfig.parse("dp_replicate=2,dp_shard=3,tp=1").world_size == 6
+    pc = ParallelConfig.parse("dp_replicate=2,dp_shard=2,tp=2")
+    assert ParallelConfig.parse(str(pc)) == pc
+    assert pc.short() == "dp_replicate=2,dp_shard=2,tp=2"
+    assert ParallelConfig().short() == "dp_shard=1"
+    assert pc.dp_size == 4 and pc.mesh_shape == (2, 2, 2)
+
+
+def test_rank_order_is_tp_fastest():
+    pc = ParallelConfig(2, 3, 2)
+    for rank in range(pc.world_size):
+        r, s, t = pc.coords(rank)
+        assert rank == (r * 3 + s) * 2 + t == pc.rank_of(r, s, t)
+    with pytest.raises(ValueError, match="outside a world of 12"):
+        pc.coords(12)
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", "written like"),
+        ("dp=2", "cannot parse 'dp=2'"),
+        ("tp=2,tp=4", "gives tp twice"),
+        ("tp=0", "tp must be a positive integer"),
+        ("dp_shard=-1", "dp_shard must be a positive integer"),
+        ("tp=two", "cannot parse"),
+    ],
+)
+def test_parse_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig.parse(text)
+
+
+def test_validate_world_size():
+    with pytest.raises(ValueError, match=r"needs dp_replicate\*dp_shard\*tp = 4 devices, but there are 3"):
+        ParallelConfig.parse("dp_shard=2,tp=2").validate(world_size=3)
+    ParallelConfig.parse("dp_shard=3").validate(world_size=3)
+
+
+@pytest.mark.parametrize(
+    "model,tp,what",
+    [
+        ("debug", 3, "n_heads=8"),       # heads 8
+        ("llama3-8b", 16, "n_kv_heads=8"),  # 32 heads ok, 8 KV heads not
+        ("125m", 12, "n_kv_heads=4"),
+    ],
+)
+def test_validate_tp_against_model(model, tp, what):
+    with pytest.raises(ValueError, match=f"tp={tp} does not divide {what}"):
+        ParallelConfig(tp=tp).validate(get_model_config(model))
+
+
+def test_validate_tp_against_ffn():
+    cfg = get_model_config("debug").with_overrides(ffn_dim=770)
+    with pytest.raises(ValueError, match="does not divide ffn_dim=770"):
+        ParallelConfig(tp=4).validate(cfg)
+
+
+def test_valid_layouts_pass():
+    cfg = get_model_config("llama3-70b")
+    assert ParallelConfig(dp_shard=16, tp=8).validate(cfg, 128).tp == 8
