@@ -59,6 +59,18 @@ class LlamaLM(pl.LightningModule):
         self._step_tokens = 0
         self._step_start: float | None = None
 
+    def setup(self, stage: str) -> None:
+        # DynaTrainStrategy keeps the global batch itself (also across layout switches); under another
+        # strategy with a mesh, derive gradient accumulation from the data module here.
+        strategy = self.trainer.strategy
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if hasattr(strategy, "dp_size") or not hasattr(datamodule, "accumulation_for"):
+            return
+        mesh = getattr(strategy, "device_mesh", None)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        dp = mesh["data_parallel"].size() if "data_parallel" in names else self.trainer.world_size
+        self.trainer.accumulate_grad_batches = datamodule.accumulation_for(dp)
+
     # ---- model --------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
         if self.model is not None:

@@ -145,13 +145,12 @@ class GlobalBatchSampler(DistributedSampler):
 
     @property
     def epoch(self) -> int:
-        return self.consumed_samples // self.samples_per_epoch if hasattr(self, "_perm_cache") else 0
+        return self.consumed_samples // self.samples_per_epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        # DistributedSampler.__init__ assigns epoch = 0 before our state exists.
-        if hasattr(self, "_perm_cache"):
-            self.set_epoch(value)
+        # DistributedSampler.__init__ assigns it; the position stays the only source of the epoch.
+        pass
 
     def seek(self, consumed_samples: int) -> None:
         """Continue at global sample `consumed_samples` (a multiple of G): resume, skip, or re-sync."""
@@ -170,14 +169,12 @@ class GlobalBatchSampler(DistributedSampler):
         self.seek(current)
 
     def set_epoch(self, epoch: int) -> None:
-        """Move to the start of `epoch` if it is ahead of the current one; never moves back.
+        """Accepted for Lightning, which calls it before every epoch; it does not move the position.
 
-        Lightning calls this with its own epoch counter before every epoch. That counter equals ours,
-        except when an epoch was cut short (`limit_train_batches`): then it is ahead and we follow it.
-        It is never behind, since our position is restored from the same checkpoint as Lightning's loops.
+        The position alone says which epoch's order is read, and it moves into the next epoch by itself.
+        Lightning's epoch counter can run ahead of it (a run stopped by `max_steps` counts its epoch as
+        finished; `limit_train_batches` cuts epochs short): following it would skip samples.
         """
-        if epoch > self.epoch:
-            self.seek(epoch * self.samples_per_epoch)
 
     def remaining_in_epoch(self) -> int:
         """Indices this rank still yields in the current epoch, under the current layout."""

@@ -30,6 +30,14 @@ class Box:
         object.__setattr__(self, "hi", tuple(max(h, l) for l, h in zip(lo, hi)))
 
     @classmethod
+    def _trusted(cls, lo: tuple[int, ...], hi: tuple[int, ...]) -> "Box":
+        """Skip validation: for callers that already hold tuples of ints with lo <= hi (hot loops)."""
+        box = object.__new__(cls)
+        object.__setattr__(box, "lo", lo)
+        object.__setattr__(box, "hi", hi)
+        return box
+
+    @classmethod
     def full(cls, shape: tuple[int, ...]) -> "Box":
         """The whole index space of a tensor of ``shape``."""
         return cls((0,) * len(shape), tuple(shape))
@@ -74,11 +82,13 @@ class Box:
 
     def shift(self, origin: tuple[int, ...]) -> "Box":
         """This box in the coordinates of a tensor whose element 0 sits at ``origin`` (global -> local)."""
-        if any(l < o for l, o in zip(self.lo, origin)) and not self.is_empty:
-            raise ValueError(f"box {self} starts before origin {origin}: it is not inside that tensor")
         lo = tuple(l - o for l, o in zip(self.lo, origin))
-        hi = tuple(h - o for h, o in zip(self.hi, origin))
-        return Box(tuple(max(0, x) for x in lo), tuple(max(0, x) for x in hi))
+        if min(lo, default=0) < 0:
+            if not self.is_empty:
+                raise ValueError(f"box {self} starts before origin {origin}: it is not inside that tensor")
+            lo = tuple(max(0, x) for x in lo)
+        hi = tuple(max(h - o, l) for h, o, l in zip(self.hi, origin, lo))
+        return Box._trusted(lo, hi)
 
     def offset(self, origin: tuple[int, ...]) -> "Box":
         """The inverse of `shift`: local coordinates under ``origin`` -> global coordinates."""

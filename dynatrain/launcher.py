@@ -1,0 +1,79 @@
+"""Start N local ranks the way a cluster launcher does (env vars per rank), for selfcheck, benchmarks and tests.
+
+Each call takes a fresh port: re-forming a process group on a used port hangs or fails on torch 2.13.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def launch_local(
+    argv: list[str], nprocs: int, workdir: Path, timeout: float = 600.0, env: dict[str, str] | None = None,
+    name: str = "worker",
+) -> list[dict]:
+    """Run ``python <argv> --out <file>`` on ``nprocs`` ranks; return each rank's JSON result in rank order.
+
+    On a failure or timeout every rank is killed and the error carries the tail of each rank's log.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
+    logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
+    procs = []
+    for rank in range(nprocs):
+        rank_env = dict(os.environ)
+        rank_env.update(env or {})
+        rank_env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), RANK=str(rank),
+            LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
+        )
+        rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+        rank_env.setdefault("WANDB_MODE", "offline")
+        with open(logs[rank], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, *argv, "--out", str(outs[rank])], env=rank_env,
+                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{name} on {nprocs} ranks timed out after {timeout:.0f}s\n" + _tails(logs))
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2.0)  # let the peers report their side of the failure before they are killed
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise LaunchError(f"{name}: ranks {failed} failed\n" + _tails(logs))
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def _tails(logs: list[Path], n: int = 40) -> str:
+    parts = []
+    for r, log in enumerate(logs):
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        parts.append(f"--- rank {r} ({log}) ---\n" + "\n".join(lines[-n:]))
+    return "\n".join(parts)

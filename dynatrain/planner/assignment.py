@@ -1,0 +1,219 @@
+"""Rank assignment: which process takes each mesh position of the new layout.
+
+Processes keep their identity across a switch, but DeviceMesh accepts any arrangement, so the positions
+are free. Placing process ``c`` at position ``q`` saves the ``W[c, q]`` bytes of ``q``'s new shards that
+``c`` already holds; the best assignment maximises the total saving (= minimises bytes on the wire).
+
+* Without a node constraint this is a rectangular linear assignment problem, solved exactly
+  (``scipy.optimize.linear_sum_assignment``, a shortest-augmenting-path method: 10 to 70 ms at 1,024
+  processes). It also decides who stays idle when more processes are available than positions.
+* With ``gpus_per_node``, each new TP group (``tp`` consecutive positions) must sit inside one node, which
+  is no longer a plain assignment problem. The heuristic solves it in two exact levels: (1) the value of
+  placing TP group g on node n is the best matching of g's positions to n's processes; an assignment
+  problem over (groups x node slots) puts groups on nodes; (2) per node, an exact assignment places its
+  processes on the positions of the groups it received. Level 1 may over-count when two groups on the
+  same node want the same process; the tests hold the result within 1% of an exact MILP.
+
+Every step uses integer byte counts and deterministic solvers, so all ranks compute the same assignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from dynatrain.vps.layout import Layout
+from dynatrain.vps.parallel_config import ParallelConfig
+
+METHODS = ("identity", "optimal")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The processes of the new layout. ``rank_map[q]`` takes new position q; ``idle`` are available
+    processes left without a position (they send what they hold, then leave); ``joiners`` held nothing."""
+
+    rank_map: tuple[int, ...]
+    idle: tuple[int, ...]
+    joiners: tuple[int, ...]
+    method: str
+    bytes_kept: int
+
+
+def candidates(
+    old: Layout, new_world: int, leave: Iterable[int] = (), joiners: Sequence[int] | None = None,
+    lost: Iterable[int] = (),
+) -> tuple[list[int], tuple[int, ...]]:
+    """Processes that may take a new position, ascending, and the joiners among them.
+
+    ``old`` is the layout before any loss; ``leave`` and ``lost`` processes get no new position. Without
+    explicit ``joiners``, as many fresh ids (above every id of ``old``) join as the new world lacks.
+    """
+    gone = set(int(p) for p in leave) | set(int(p) for p in lost)
+    unknown = sorted(p for p in gone if old.position_of(p) is None)
+    if unknown:
+        raise ValueError(f"processes {unknown} should leave but hold no position in the old layout {old.processes}")
+    staying = [p for p in old.processes if p not in gone]
+    if joiners is None:
+        top = max(old.processes, default=-1)
+        missing = max(0, new_world - len(staying))
+        joiners = tuple(range(top + 1, top + 1 + missing))
+    else:
+        joiners = tuple(sorted(set(int(p) for p in joiners)))
+        clash = sorted(set(joiners) & set(old.processes))
+        if clash:
+            raise ValueError(f"joiners {clash} already hold a position in the old layout")
+    cands = sorted(staying + list(joiners))
+    if len(cands) < new_world:
+        raise ValueError(
+            f"the new layout needs {new_world} processes but only {len(cands)} are available "
+            f"({len(staying)} staying + {len(joiners)} joining): choose a smaller layout or add joiners"
+        )
+    return cands, joiners
+
+
+def _check_nodes(pcfg: ParallelConfig, gpus_per_node: int) -> None:
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be at least 1, got {gpus_per_node}")
+    if pcfg.tp > gpus_per_node:
+        raise ValueError(
+            f"tp={pcfg.tp} does not fit in a node of {gpus_per_node} GPUs: choose tp <= {gpus_per_node}"
+        )
+
+
+def _node_blocks(cands: list[int], gpus_per_node: int) -> list[list[int]]:
+    """Row indices of ``cands`` grouped by node (``process // gpus_per_node``), nodes ascending."""
+    blocks: dict[int, list[int]] = {}
+    for i, p in enumerate(cands):
+        blocks.setdefault(p // gpus_per_node, []).append(i)
+    return [blocks[n] for n in sorted(blocks)]
+
+
+def _infeasible(pcfg: ParallelConfig, gpus_per_node: int, blocks: list[list[int]]) -> ValueError:
+    return ValueError(
+        f"cannot keep {pcfg.dp_size} TP groups of tp={pcfg.tp} inside nodes of {gpus_per_node} GPUs: "
+        f"the available processes per node are {[len(b) for b in blocks]}; "
+        "use a smaller tp, fewer leavers, or no --gpus-per-node"
+    )
+
+
+def identity_map(cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | None = None) -> list[int]:
+    """The baseline: position q takes the q-th available process. With a node constraint, each TP group
+    takes the lowest free processes of the first node that still has ``tp`` of them."""
+    if gpus_per_node is None or pcfg.tp == 1:
+        return cands[: pcfg.world_size]
+    _check_nodes(pcfg, gpus_per_node)
+    blocks = _node_blocks(cands, gpus_per_node)
+    free = [list(b) for b in blocks]
+    out: list[int] = []
+    for _ in range(pcfg.dp_size):
+        node = next((f for f in free if len(f) >= pcfg.tp), None)
+        if node is None:
+            raise _infeasible(pcfg, gpus_per_node, blocks)
+        out += [cands[i] for i in node[: pcfg.tp]]
+        del node[: pcfg.tp]
+    return out
+
+
+def _lap(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximum-weight assignment of every column to a distinct row (rows >= columns)."""
+    if w.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    rows, cols = linear_sum_assignment(w.astype(np.float64), maximize=True)
+    return rows, cols
+
+
+def optimal_map(
+    w: np.ndarray, cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | None = None
+) -> list[int]:
+    """The assignment that keeps the most bytes in place (see the module docstring)."""
+    q_total = pcfg.world_size
+    if w.shape != (len(cands), q_total):
+        raise ValueError(f"saved matrix has shape {w.shape}, expected {(len(cands), q_total)}")
+    out = [-1] * q_total
+    if gpus_per_node is None or pcfg.tp == 1:
+        rows, cols = _lap(w)
+        for r, c in zip(rows, cols):
+            out[int(c)] = cands[int(r)]
+        return out
+    _check_nodes(pcfg, gpus_per_node)
+    tp, n_groups = pcfg.tp, pcfg.dp_size
+    blocks = _node_blocks(cands, gpus_per_node)
+    caps = [min(len(b) // tp, n_groups) for b in blocks]
+    if sum(caps) < n_groups:
+        raise _infeasible(pcfg, gpus_per_node, blocks)
+    # Level 1: value of each (node, group), an exact small assignment where the node holds anything useful.
+    value = np.zeros((len(blocks), n_groups), dtype=np.int64)
+    for n, rows in enumerate(blocks):
+        if caps[n] == 0:
+            continue
+        sub = w[rows]
+        per_group = sub.reshape(len(rows), n_groups, tp).sum(axis=(0, 2))
+        for g in np.nonzero(per_group)[0]:
+            block = sub[:, g * tp:(g + 1) * tp]
+            r, c = _lap(block)
+            value[n, g] = int(block[r, c].sum())
+    slot_node = [n for n, cap in enumerate(caps) for _ in range(cap)]
+    s_idx, g_idx = _lap(value[slot_node])
+    groups_of: dict[int, list[int]] = {}
+    for s, g in sorted(zip(s_idx.tolist(), g_idx.tolist())):
+        groups_of.setdefault(slot_node[s], []).append(g)
+    # Level 2: exact placement inside each node.
+    for n, groups in sorted(groups_of.items()):
+        rows = blocks[n]
+        cols = [g * tp + t for g in sorted(groups) for t in range(tp)]
+        r, c = _lap(w[np.ix_(rows, cols)])
+        for ri, ci in zip(r, c):
+            out[cols[int(ci)]] = cands[rows[int(ri)]]
+    return out
+
+
+def kept_bytes(w: np.ndarray, cands: list[int], rank_map: Sequence[int]) -> int:
+    row = {p: i for i, p in enumerate(cands)}
+    return int(sum(w[row[p], q] for q, p in enumerate(rank_map)))
+
+
+def check_rank_map(
+    rank_map: Sequence[int], cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | None
+) -> tuple[int, ...]:
+    """Validate an explicit rank map: right length, distinct available processes, TP groups in nodes."""
+    rank_map = tuple(int(p) for p in rank_map)
+    if len(rank_map) != pcfg.world_size:
+        raise ValueError(f"the rank map has {len(rank_map)} entries; layout {pcfg.short()} needs {pcfg.world_size}")
+    if len(set(rank_map)) != len(rank_map):
+        raise ValueError(f"the rank map {list(rank_map)} names a process twice")
+    bad = sorted(set(rank_map) - set(cands))
+    if bad:
+        raise ValueError(f"the rank map names processes {bad} that are not available (left, lost or unknown)")
+    if gpus_per_node is not None and pcfg.tp > 1:
+        for g in range(pcfg.dp_size):
+            nodes = {p // gpus_per_node for p in rank_map[g * pcfg.tp:(g + 1) * pcfg.tp]}
+            if len(nodes) > 1:
+                raise ValueError(f"TP group {g} of the rank map spans nodes {sorted(nodes)}; keep it in one node")
+    return rank_map
+
+
+def assign(
+    w: np.ndarray, cands: list[int], joiners: Sequence[int], pcfg: ParallelConfig,
+    method: str | Sequence[int] = "optimal", gpus_per_node: int | None = None,
+) -> Assignment:
+    """Choose the new rank map by ``method`` ("identity", "optimal" or an explicit list of processes)."""
+    if isinstance(method, str):
+        if method == "identity":
+            rank_map = tuple(identity_map(cands, pcfg, gpus_per_node))
+        elif method == "optimal":
+            rank_map = tuple(optimal_map(w, cands, pcfg, gpus_per_node))
+        else:
+            raise ValueError(f"unknown rank map {method!r}: use {' or '.join(METHODS)}, or a list of processes")
+        name = method
+    else:
+        rank_map = check_rank_map(method, cands, pcfg, gpus_per_node)
+        name = "explicit"
+    used = set(rank_map)
+    return Assignment(
+        rank_map, tuple(p for p in cands if p not in used), tuple(sorted(joiners)), name,
+        kept_bytes(w, cands, rank_map),
+    )

@@ -1,0 +1,419 @@
+"""Schedule: transfers -> rounds under a staging-memory budget, and the `SwitchPlan` the engine runs.
+
+Two levels, so that one rank can plan a 1,024-rank switch alone:
+
+* `schedule_pairs` (global, cheap): only the byte count of every ordered pair is scheduled. Each pair's
+  bytes form one *stream* (its pieces in a fixed order); a round gives a pair one contiguous slice of its
+  stream. Every rank computes the same rounds from the same integers.
+* `SwitchPlan.rank_plan(rank)` (per rank): the rank expands only its own pairs into pieces and cuts each
+  stream at the slice boundaries the rounds chose. Both ends of a pair build the same stream, so they cut
+  it identically without talking.
+
+Why a round cannot deadlock, for any number of ranks: within a round every rank posts all of its sends and
+all of its receives at once (non-blocking, e.g. one ``batch_isend_irecv``) and only then waits. Each message
+of round k is posted by both of its ends in round k, and at most one message per ordered pair exists per
+round, so each posted operation has exactly one partner, posted without waiting on anything. By induction
+over rounds every wait completes; ranks with nothing to do in a round skip it without a collective, and
+messages between the same two ranks are matched in posting order, which both sides share. No pairing
+pattern (XOR or otherwise) is needed, so no pair can be missed when the rank count is not a power of two.
+
+Stream order: pieces sorted by itemsize (largest first), then state order, then destination shard and
+box. Largest-first means every piece starts at a byte offset that is a multiple of its own itemsize (all
+itemsizes are powers of two), so a cut snaps to an element boundary knowing only the bytes per itemsize,
+and the receiver can view its buffer as the piece's dtype without a copy. State order within a stream
+means every pair walks through the states in the same order, so a source shard is finished (and freed)
+roughly when all pairs have passed its state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from dynatrain.planner.assignment import Assignment, assign, candidates, identity_map, kept_bytes
+from dynatrain.planner.routing import RouteTable, Transfer, overlaps, route_table, saved_matrix
+from dynatrain.vps.layout import Layout
+from dynatrain.vps.parallel_config import ParallelConfig
+
+Slice = tuple[int, int, int, int]  # (src, dst, stream offset, bytes)
+
+
+def min_budget(pair_bytes: dict) -> int:
+    """The smallest budget that works: one element of the widest dtype that moves (1 when nothing moves)."""
+    return max((size for segs in pair_bytes.values() for size, b in segs if b), default=1)
+
+
+def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ...]:
+    """Rounds of slices such that no rank's sent + received bytes in a round exceed ``budget``.
+
+    Greedy per round: pairs are taken busiest-rank first (ties by ids), each gets as much of its stream as
+    both ends still have room for, cut at an element boundary. The first pair of a round always advances
+    by at least one element, so the loop ends. Integers only, so every rank gets the same rounds.
+    """
+    need = min_budget(pair_bytes)
+    if budget < need:
+        raise ValueError(
+            f"a staging budget of {budget} bytes is smaller than the largest indivisible piece "
+            f"(one element of {need} bytes): give a budget of at least {need} bytes"
+        )
+    pairs = [p for p in sorted(pair_bytes) if sum(b for _, b in pair_bytes[p])]
+    ends = []  # per pair: [(segment end offset, itemsize)]
+    for p in pairs:
+        pos, segs = 0, []
+        for size, b in pair_bytes[p]:
+            if b % size:
+                raise ValueError(f"pair {p}: {b} bytes of itemsize {size} is not a whole number of elements")
+            if size & (size - 1):
+                raise ValueError(f"itemsize {size} is not a power of two")
+            pos += b
+            segs.append((pos, size))
+        ends.append(segs)
+    total = [segs[-1][0] for segs in ends]
+    load: dict[int, int] = {}
+    for (s, d), t in zip(pairs, total):
+        load[s] = load.get(s, 0) + t
+        load[d] = load.get(d, 0) + t
+    offset = [0] * len(pairs)
+    active = list(range(len(pairs)))
+    rounds = []
+    while active:
+        active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]), pairs[i]))
+        room: dict[int, int] = {}
+        taken = []
+        for i in active:
+            s, d = pairs[i]
+            want = min(room.get(s, budget), room.get(d, budget), total[i] - offset[i])
+            if want <= 0:
+                continue
+            end = _snap(ends[i], offset[i] + want)
+            n = end - offset[i]
+            if n <= 0:
+                continue
+            taken.append((s, d, offset[i], n))
+            offset[i] = end
+            room[s] = room.get(s, budget) - n
+            room[d] = room.get(d, budget) - n
+            load[s] -= n
+            load[d] -= n
+        rounds.append(tuple(sorted(taken)))
+        active = [i for i in active if offset[i] < total[i]]
+    return tuple(rounds)
+
+
+def _snap(segs: list[tuple[int, int]], x: int) -> int:
+    """The largest element boundary <= x in a stream with segments [(end, itemsize)]."""
+    start = 0
+    for end, size in segs:
+        if x < end:
+            return start + (x - start) // size * size
+        start = end
+    return start
+
+
+@dataclass(frozen=True)
+class Message:
+    """One coalesced buffer from ``src`` to ``dst`` in one round: ``pieces`` packed in this order, each
+    row-major, back to back (every piece starts at a multiple of its itemsize)."""
+
+    round: int
+    src: int
+    dst: int
+    nbytes: int
+    pieces: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True)
+class Round:
+    index: int
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one process does in a switch. Per round k, in this order: allocate the destination
+    shards whose ``alloc_round`` is k, pack and post all ``sends[k]`` and ``recvs[k]`` together, wait,
+    unpack, run ``local_copies[k]``, then free the source shards whose ``release_round`` is k.
+
+    ``release_round[(state, shard)]`` is -1 for a source shard nothing reads (free it before round 0).
+    """
+
+    rank: int
+    num_rounds: int
+    sends: tuple[tuple[Message, ...], ...]
+    recvs: tuple[tuple[Message, ...], ...]
+    local_copies: tuple[tuple[Transfer, ...], ...]
+    release_round: dict = field(compare=True)
+    alloc_round: dict = field(compare=True)
+
+    def staging_bytes(self, k: int) -> int:
+        return sum(m.nbytes for m in self.sends[k]) + sum(m.nbytes for m in self.recvs[k])
+
+    def state_alloc_round(self) -> dict[str, int]:
+        """Per state, when to allocate the whole local tensor (its earliest shard)."""
+        out: dict[str, int] = {}
+        for (state, _), k in self.alloc_round.items():
+            out[state] = min(out.get(state, k), k)
+        return out
+
+    def state_release_round(self) -> dict[str, int]:
+        """Per state, after which round the whole old local tensor can be freed (its latest shard)."""
+        out: dict[str, int] = {}
+        for (state, _), k in self.release_round.items():
+            out[state] = max(out.get(state, k), k)
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class SwitchPlan:
+    """A switch from ``old`` to ``new`` (whose rank map the assignment chose), in rounds.
+
+    ``traffic[k]`` lists round k's messages as (src, dst, stream offset, bytes), enough for statistics and
+    for the network model; `rank_plan` gives one process its pieces. Build with `plan_switch`.
+    """
+
+    old: Layout
+    new: Layout
+    assignment: Assignment
+    budget_bytes: int
+    traffic: tuple[tuple[Slice, ...], ...]
+    table: RouteTable = field(repr=False)
+    bytes_moved_identity: int | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_rounds(self) -> int:
+        """At least 1: local copies run in round 0 even when nothing goes on the wire."""
+        return max(1, len(self.traffic))
+
+    @property
+    def rounds_traffic(self) -> tuple[tuple[Slice, ...], ...]:
+        return self.traffic + ((),) * (self.num_rounds - len(self.traffic))
+
+    @property
+    def processes(self) -> tuple[int, ...]:
+        """Every process that takes part: holders of the old layout (including leavers) and of the new."""
+        return tuple(sorted(set(self.old.processes) | set(self.new.processes)))
+
+    @property
+    def bytes_total(self) -> int:
+        """All state, each element counted once."""
+        return self.new.total_bytes
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(n for rnd in self.traffic for _, _, _, n in rnd)
+
+    def rank_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(bytes sent, bytes received) per process over the whole switch."""
+        sent: dict[int, int] = {}
+        recv: dict[int, int] = {}
+        for rnd in self.traffic:
+            for s, d, _, n in rnd:
+                sent[s] = sent.get(s, 0) + n
+                recv[d] = recv.get(d, 0) + n
+        return sent, recv
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        peak = 0
+        for rnd in self.traffic:
+            use: dict[int, int] = {}
+            for s, d, _, n in rnd:
+                use[s] = use.get(s, 0) + n
+                use[d] = use.get(d, 0) + n
+            peak = max(peak, max(use.values(), default=0))
+        return peak
+
+    # ----- per rank
+    def rank_plan(self, rank: int) -> RankPlan:
+        plan = self._cache.get(rank)
+        if plan is None:
+            plan = self._cache[rank] = _expand_rank(self, rank)
+        return plan
+
+    def sends(self, rank: int, k: int) -> tuple[Message, ...]:
+        return self.rank_plan(rank).sends[k]
+
+    def recvs(self, rank: int, k: int) -> tuple[Message, ...]:
+        return self.rank_plan(rank).recvs[k]
+
+    def local_copies(self, rank: int, k: int | None = None) -> tuple[Transfer, ...]:
+        """The rank's local copies, of round ``k`` or (None) of every round."""
+        per_round = self.rank_plan(rank).local_copies
+        return per_round[k] if k is not None else tuple(t for r in per_round for t in r)
+
+    def release_round(self, rank: int) -> dict:
+        return self.rank_plan(rank).release_round
+
+    def alloc_round(self, rank: int) -> dict:
+        return self.rank_plan(rank).alloc_round
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """Every round with every message and its pieces (expands every rank: for small worlds and tests)."""
+        per_round: list[list[Message]] = [[] for _ in range(self.num_rounds)]
+        for p in self.processes:
+            for k, msgs in enumerate(self.rank_plan(p).sends):
+                per_round[k] += msgs
+        return tuple(Round(k, tuple(sorted(m, key=lambda x: (x.src, x.dst)))) for k, m in enumerate(per_round))
+
+    def fingerprint(self, ranks: Iterable[int] | None = None) -> str:
+        """A digest of the assignment, the rounds and the rank plans of ``ranks`` (default all): equal
+        digests from two processes mean they would run the same switch."""
+        h = hashlib.sha256()
+        h.update(repr((self.assignment, self.budget_bytes, self.traffic)).encode())
+        for p in self.processes if ranks is None else ranks:
+            rp = self.rank_plan(p)
+            h.update(repr((rp.rank, rp.num_rounds, rp.sends, rp.recvs, rp.local_copies,
+                           sorted(rp.release_round.items()), sorted(rp.alloc_round.items()))).encode())
+        return h.hexdigest()
+
+
+def _stream_key(table: RouteTable, t: Transfer) -> tuple:
+    spec_index = table.old.state_index(t.state)
+    return (-table.old.states[spec_index].itemsize, spec_index, t.dst_shard, t.dst_box.lo)
+
+
+def _cut(pieces: list[Transfer], itemsize: dict[str, int], slices: list[tuple[int, int, int]],
+         src: int, dst: int) -> list[Message]:
+    """Split an ordered stream of pieces at the (round, offset, bytes) slices the schedule chose."""
+    out = []
+    i, pos = 0, 0  # piece index, stream offset where piece i starts
+    for k, off, n in slices:
+        end = off + n
+        got: list[Transfer] = []
+        while i < len(pieces) and pos < end:
+            t = pieces[i]
+            size = itemsize[t.state]
+            a, b = max(off, pos), min(end, pos + t.nbytes)
+            if a == pos and b == pos + t.nbytes:
+                got.append(t)
+            else:
+                e0, e1 = (a - pos) // size, (b - pos) // size
+                for sb, db in zip(t.src_box.element_range(e0, e1), t.dst_box.element_range(e0, e1)):
+                    got.append(Transfer(t.src, t.dst, t.state, t.src_shard, sb, t.dst_shard, db, sb.numel * size))
+            if b == pos + t.nbytes:
+                pos += t.nbytes
+                i += 1
+            else:
+                break
+        if sum(t.nbytes for t in got) != n:
+            raise RuntimeError(f"pair {src}->{dst}: round {k} slice of {n} bytes does not match the stream")
+        out.append(Message(k, src, dst, n, tuple(got)))
+    return out
+
+
+def _pair_slices(plan: SwitchPlan) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+    index = plan._cache.get("slices")
+    if index is None:
+        index = {}
+        for k, rnd in enumerate(plan.traffic):
+            for s, d, off, n in rnd:
+                index.setdefault((s, d), []).append((k, off, n))
+        plan._cache["slices"] = index
+    return index
+
+
+def _expand_rank(plan: SwitchPlan, rank: int) -> RankPlan:
+    table = plan.table
+    itemsize = {s.name: s.itemsize for s in table.old.states}
+    sends, recvs, local = table.transfers(rank)
+    slices = _pair_slices(plan)
+    n_rounds = plan.num_rounds
+    out_send: list[list[Message]] = [[] for _ in range(n_rounds)]
+    out_recv: list[list[Message]] = [[] for _ in range(n_rounds)]
+    for transfers, box in ((sends, out_send), (recvs, out_recv)):
+        by_pair: dict[tuple[int, int], list[Transfer]] = {}
+        for t in transfers:
+            by_pair.setdefault((t.src, t.dst), []).append(t)
+        for pair in sorted(by_pair):
+            stream = sorted(by_pair[pair], key=lambda t: _stream_key(table, t))
+            for msg in _cut(stream, itemsize, slices.get(pair, []), *pair):
+                box[msg.round].append(msg)
+    last_send: dict[tuple[str, int], int] = {}
+    for k, msgs in enumerate(out_send):
+        for m in msgs:
+            for t in m.pieces:
+                last_send[(t.state, t.src_shard)] = k
+    first_recv: dict[tuple[str, int], int] = {}
+    for k, msgs in enumerate(out_recv):
+        for m in msgs:
+            for t in m.pieces:
+                first_recv.setdefault((t.state, t.dst_shard), k)
+    # A local copy runs as early as it can without keeping its source alive longer than its sends do.
+    copies: list[list[Transfer]] = [[] for _ in range(n_rounds)]
+    copy_rounds: list[tuple[Transfer, int]] = []
+    for t in local:
+        options = [r for r in (last_send.get((t.state, t.src_shard)), first_recv.get((t.state, t.dst_shard)))
+                   if r is not None]
+        k = min(options) if options else 0
+        copies[k].append(t)
+        copy_rounds.append((t, k))
+    release: dict[tuple[str, int], int] = {}
+    pos = table.old.position_of(rank)
+    if pos is not None:
+        for spec, c in zip(table.old.states, table.old.state_class):
+            for i in range(len(table.old.classes[c][pos].boxes)):
+                release[(spec.name, i)] = last_send.get((spec.name, i), -1)
+    for t, k in copy_rounds:
+        key = (t.state, t.src_shard)
+        release[key] = max(release.get(key, -1), k)
+    alloc: dict[tuple[str, int], int] = dict(first_recv)
+    for t, k in copy_rounds:
+        key = (t.state, t.dst_shard)
+        alloc[key] = min(alloc.get(key, k), k)
+    npos = table.new.position_of(rank)
+    if npos is not None:
+        for spec, c in zip(table.new.states, table.new.state_class):
+            for i in range(len(table.new.classes[c][npos].boxes)):
+                if (spec.name, i) not in alloc:
+                    raise RuntimeError(f"rank {rank}: shard {i} of {spec.name!r} receives no data")
+    return RankPlan(
+        rank, n_rounds, tuple(tuple(m) for m in out_send), tuple(tuple(m) for m in out_recv),
+        tuple(tuple(c) for c in copies), release, alloc,
+    )
+
+
+def plan_switch(
+    old: Layout,
+    new_config: ParallelConfig | str,
+    *,
+    leave: Iterable[int] = (),
+    lost: Iterable[int] = (),
+    joiners: Sequence[int] | None = None,
+    rank_map: str | Sequence[int] = "optimal",
+    budget_bytes: int = 2 << 30,
+    gpus_per_node: int | None = None,
+    compare_identity: bool = True,
+) -> SwitchPlan:
+    """Plan the switch of ``old``'s states to ``new_config``: assignment, routing, rounds.
+
+    ``leave``: processes that send what they hold, then get no position. ``lost``: processes already gone,
+    whose data must come from replicas. ``joiners``: new processes (default: fresh ids as needed).
+    ``rank_map``: "optimal", "identity" or an explicit process per new position. ``gpus_per_node``: keep
+    every new TP group inside a node (process p lives on node p // gpus_per_node) and prefer replicas on
+    the destination's node.
+    """
+    new_config = ParallelConfig.parse(new_config)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    lost = sorted(set(int(p) for p in lost))
+    cands, joins = candidates(old, new_config.world_size, leave, joiners, lost)
+    src = old.without(lost) if lost else old
+    new0 = Layout.from_config(old.states, new_config)
+    ovs = overlaps(src, new0)
+    w = saved_matrix(ovs, src, new0, cands)
+    asg = assign(w, cands, joins, new_config, rank_map, gpus_per_node)
+    new = new0.with_rank_map(asg.rank_map)
+    identity_moved = None
+    if compare_identity:
+        try:
+            ident = identity_map(cands, new_config, gpus_per_node)
+            identity_moved = new.needed_bytes - kept_bytes(w, cands, ident)
+        except ValueError:
+            identity_moved = None
+    node_of = None if gpus_per_node is None else (lambda p: p // gpus_per_node)
+    table = route_table(src, new, ovs, node_of)
+    traffic = schedule_pairs(table.pair_bytes, budget_bytes)
+    return SwitchPlan(src, new, asg, budget_bytes, traffic, table, identity_moved)

@@ -1,0 +1,137 @@
+"""Which boxes of a state each mesh position holds, as `apply_tp` then `apply_fsdp` place them.
+
+TP shards first: colwise/embedding weights on dim 0, rowwise on dim 1, norms stay whole. FSDP2 then splits
+dim 0 of the *TP-local* tensor over dp_shard; dp_replicate copies the result. Both splits follow
+``torch.chunk``: chunks of ``ceil(n / parts)``, so the last chunks are short or empty when ``parts`` does not
+divide ``n`` (DTensor's ``Shard`` and FSDP2 pad the same way and never move data between chunks).
+
+A fused projection concatenates parts that TP splits one by one, so its TP-local tensor is a stack of
+non-adjacent global ranges and one FSDP chunk can span several of them: that position holds several boxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynatrain.models.tp_plan import tp_shard_dim
+from dynatrain.vps.box import Box
+from dynatrain.vps.parallel_config import ParallelConfig
+
+
+def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[lo, hi)`` of chunk ``index`` when ``torch.chunk`` splits ``n`` items into ``parts`` (padded to
+    ``parts`` with empty chunks, as DTensor and FSDP2 do)."""
+    if parts < 1 or not 0 <= index < parts:
+        raise ValueError(f"chunk {index} of {parts} does not exist")
+    size = -(-n // parts)
+    lo = min(index * size, n)
+    return lo, min(lo + size, n)
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How a state of ``shape`` is split. ``tp_dim`` is the dimension TP shards (None: every TP rank holds
+    it whole); ``fused`` lists the sizes, along ``tp_dim``, of the parts TP shards separately."""
+
+    shape: tuple[int, ...]
+    tp_dim: int | None = None
+    fused: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(d) for d in self.shape)
+        object.__setattr__(self, "shape", shape)
+        if not shape:
+            raise ValueError("a scalar state (such as Adam's step) has no boxes: broadcast it instead of routing it")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape {shape} has a negative dimension")
+        if self.tp_dim is not None and not 0 <= self.tp_dim < len(shape):
+            raise ValueError(f"tp_dim={self.tp_dim} is not a dimension of shape {shape}")
+        if self.fused is not None:
+            fused = tuple(int(p) for p in self.fused)
+            object.__setattr__(self, "fused", fused)
+            if self.tp_dim is None:
+                raise ValueError("fused parts only make sense for a TP-sharded state: give tp_dim")
+            if sum(fused) != shape[self.tp_dim] or any(p < 0 for p in fused):
+                raise ValueError(
+                    f"fused parts {fused} must be non-negative and add up to dim {self.tp_dim} of shape {shape}"
+                )
+
+
+@dataclass(frozen=True)
+class LocalShards:
+    """What one mesh position holds of one state.
+
+    ``boxes[i]`` (global coordinates) sits in the position's local tensor at ``offsets[i]``; the local tensor
+    has ``local_shape`` (possibly with a zero dimension: an empty FSDP chunk still exists as a tensor).
+    Empty boxes are left out, so ``boxes`` is empty when the position holds no element.
+    """
+
+    boxes: tuple[Box, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    local_shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.boxes)
+
+
+def rule_for_param(name: str, shape: tuple[int, ...]) -> ShardRule:
+    """The rule `apply_tp` gives a model parameter, read from the one TP table in `models.tp_plan`."""
+    try:
+        dim = tp_shard_dim(name)
+    except KeyError as err:
+        raise ValueError(f"{err.args[0]}: add it to dynatrain/models/tp_plan.py") from None
+    return ShardRule(tuple(shape), dim)
+
+
+def _tp_ranges(rule: ShardRule, tp: int, t: int) -> list[list[tuple[int, int]]]:
+    """Per dimension, the global ranges the TP-local tensor concatenates (in local order)."""
+    ranges = [[(0, n)] for n in rule.shape]
+    if rule.tp_dim is not None:
+        parts = rule.fused or (rule.shape[rule.tp_dim],)
+        out, base = [], 0
+        for size in parts:
+            lo, hi = chunk_bounds(size, tp, t)
+            out.append((base + lo, base + hi))
+            base += size
+        ranges[rule.tp_dim] = out
+    return ranges
+
+
+def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> LocalShards:
+    """The shards at dp_shard index ``s`` and tp index ``t`` (every dp_replicate index holds the same)."""
+    ranges = _tp_ranges(rule, pcfg.tp, t)
+    rows = ranges[0]
+    local_rows = sum(hi - lo for lo, hi in rows)
+    a, b = chunk_bounds(local_rows, pcfg.dp_shard, s)
+    # Map the FSDP chunk [a, b) of the stacked TP-local rows back to global row ranges.
+    picked: list[tuple[int, int, int]] = []  # (global lo, global hi, local row offset)
+    pos = 0
+    for lo, hi in rows:
+        n = hi - lo
+        x, y = max(a, pos), min(b, pos + n)
+        if x < y:
+            picked.append((lo + x - pos, lo + y - pos, x - a))
+        pos += n
+    local_shape = [b - a] + [sum(hi - lo for lo, hi in r) for r in ranges[1:]]
+    boxes, offsets = [], []
+    for row_lo, row_hi, row_off in picked:
+        combos: list[tuple[list[int], list[int], list[int]]] = [([row_lo], [row_hi], [row_off])]
+        for dim_ranges in ranges[1:]:
+            nxt = []
+            col_off = 0
+            for lo, hi in dim_ranges:
+                if hi > lo:
+                    nxt += [(l + [lo], h + [hi], o + [col_off]) for l, h, o in combos]
+                col_off += hi - lo
+            combos = nxt
+        for l, h, o in combos:
+            boxes.append(Box(tuple(l), tuple(h)))
+            offsets.append(tuple(o))
+    return LocalShards(tuple(boxes), tuple(offsets), tuple(local_shape))
+
+
+def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> tuple[LocalShards, ...]:
+    """`local_shards` for every mesh position in the default order, position = (r*S + s)*T + t."""
+    per_st = [local_shards(rule, pcfg, s, t) for s in range(pcfg.dp_shard) for t in range(pcfg.tp)]
+    return tuple(per_st) * pcfg.dp_replicate
