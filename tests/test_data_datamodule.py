@@ -192,7 +192,7 @@ def test_lightning_fit_and_resume_after_max_steps(make_dm, tmp_path):
     dm = make_dm()
     trainer, model = fit(dm, 3, tmp_path)
     assert_global_batches(dm, model, range(3))
-    assert dm.state_dict()["consumed_samples"] == 3 * 8, "the micro-batch fetched ahead must not count"
+    assert dm.state_dict()["consumed_samples"] == 3 * 8
     trainer.save_checkpoint(tmp_path / "end.ckpt")
 
     resumed = make_dm()
@@ -201,14 +201,16 @@ def test_lightning_fit_and_resume_after_max_steps(make_dm, tmp_path):
     assert_global_batches(dm, model, range(3, 6))
 
 
-def test_lightning_resume_from_a_checkpoint_saved_mid_epoch(make_dm, tmp_path):
+# Worker processes fetch micro-batches ahead of training: the saved position must not count them.
+@pytest.mark.parametrize("micro_batch_size,num_workers", [(2, 0), (8, 2)])
+def test_lightning_resume_from_a_checkpoint_saved_mid_epoch(make_dm, tmp_path, micro_batch_size, num_workers):
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)
-    dm = make_dm()
+    dm = make_dm(micro_batch_size=micro_batch_size, num_workers=num_workers)
     _, model = fit(dm, 5, tmp_path, callbacks=[saver])
     assert_global_batches(dm, model, range(5))
     (ckpt,) = (tmp_path / "ckpts").glob("*step=3.ckpt")
 
-    resumed = make_dm()
+    resumed = make_dm(micro_batch_size=micro_batch_size, num_workers=num_workers)
     _, model = fit(resumed, 5, tmp_path, ckpt_path=str(ckpt))
     assert_global_batches(dm, model, range(3, 5))
 

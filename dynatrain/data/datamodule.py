@@ -171,9 +171,10 @@ class LlamaDataModule(pl.LightningDataModule):
     def set_layout(self, dp_size: int, dp_rank: int) -> int:
         """Switch the data-parallel layout between optimizer steps; returns the new accumulation.
 
-        The training position is re-synchronised to the optimizer steps taken, so whatever the running
-        loader fetched ahead is not counted. The caller then restarts the train data iterator (a fresh
-        `iter()` on the loader) so that no micro-batch fetched under the old layout is used.
+        Call it on every rank between optimizer steps. The training position is re-synchronised to the
+        optimizer steps taken. With `num_workers=0` the running train iterator carries on under the new
+        layout; with workers, micro-batches were read ahead under the old one, and the caller must start a
+        fresh iterator on the train loader so that none of them is used.
         """
         accumulation = self.accumulation_for(dp_size)
         self.dp_size, self.dp_rank = dp_size, dp_rank
@@ -196,6 +197,8 @@ class LlamaDataModule(pl.LightningDataModule):
     def _require_setup(self) -> None:
         if self.train_set is None:
             self.setup()
+        # Read again: a strategy may settle its layout after the data module's `setup`.
+        self.dp_size, self.dp_rank = self._layout_from_trainer()
 
     def train_dataloader(self) -> DataLoader:
         self._require_setup()
@@ -209,7 +212,7 @@ class LlamaDataModule(pl.LightningDataModule):
             sampler.seek(self.train_sampler.consumed_samples)  # a reloaded loader continues, not restarts
         trainer = self.trainer
         if trainer is not None:
-            # Count progress in optimizer steps: Lightning fetches a micro-batch ahead of training.
+            # Count progress in optimizer steps: DataLoader workers read micro-batches ahead of training.
             sampler.attach_step_counter(lambda: trainer.global_step)
         self.train_sampler = sampler
         return self._loader(self.train_set, sampler, ResumableDataLoader)

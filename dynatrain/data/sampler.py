@@ -7,10 +7,11 @@ order for any D and micro-batch size m. A layout switch therefore changes who re
 which samples form a step.
 
 Where a switch may happen: only between optimizer steps. `set_layout`/`set_micro_batch_size` apply
-from the next global step an iterator starts; a step already begun finishes under the layout it began
-with. A loader that fetches ahead (Lightning prefetches one micro-batch; DataLoader workers prefetch
-more) has by then read part of the next step under the old layout, so after a switch the data
-iterator must be restarted from `consumed_samples` (`seek`), discarding what was fetched ahead.
+from the next global step a running iterator starts; a step already begun finishes under the layout it
+began with. With `num_workers=0` nothing is read ahead (Lightning 2.6 does not prefetch from a loader
+that has a length), so the running iterator simply carries on under the new layout. DataLoader
+workers read `prefetch_factor * num_workers` micro-batches ahead, part of them under the old layout:
+then `seek(consumed_samples)` and restart the data iterator, which discards what was read ahead.
 """
 
 from __future__ import annotations

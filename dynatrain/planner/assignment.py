@@ -206,6 +206,11 @@ def assign(
             rank_map = tuple(identity_map(cands, pcfg, gpus_per_node))
         elif method == "optimal":
             rank_map = tuple(optimal_map(w, cands, pcfg, gpus_per_node))
+            if gpus_per_node is not None and pcfg.tp > 1:
+                # The node-constrained heuristic is not exact: never do worse than the baseline.
+                ident = tuple(identity_map(cands, pcfg, gpus_per_node))
+                if kept_bytes(w, cands, ident) > kept_bytes(w, cands, rank_map):
+                    rank_map = ident
         else:
             raise ValueError(f"unknown rank map {method!r}: use {' or '.join(METHODS)}, or a list of processes")
         name = method

@@ -24,8 +24,6 @@ import numpy as np
 from dynatrain.vps.box import Box
 from dynatrain.vps.layout import Layout
 
-_BLOCK = 256  # new boxes intersected per numpy block: bounds the temporary (block x old boxes x ndim)
-
 
 @dataclass(frozen=True)
 class Transfer:
@@ -128,6 +126,32 @@ def _distinct(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     return uniq[:, :nd], uniq[:, nd:], ptr, order.astype(np.int64)
 
 
+def _intersect_all(nlo, nhi, olo, ohi):
+    """Every (new box m, old box k) pair that meets, with the region and its volume.
+
+    Only old boxes whose dim-0 start lies within the widest old dim-0 extent of the new box can meet it, so
+    a sorted search on dim 0 gives a few candidates per new box instead of all of them.
+    """
+    nd = nlo.shape[1]
+    if len(nlo) == 0 or len(olo) == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, np.zeros((0, nd), np.int64), np.zeros((0, nd), np.int64), z
+    order = np.argsort(olo[:, 0], kind="stable")
+    starts0 = olo[order, 0]
+    widest = int((ohi[:, 0] - olo[:, 0]).max())
+    first = np.searchsorted(starts0, nlo[:, 0] - widest, side="right")
+    last = np.searchsorted(starts0, nhi[:, 0], side="left")
+    counts = np.maximum(last - first, 0)
+    m = np.repeat(np.arange(len(nlo)), counts)
+    base = np.repeat(first - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    k = order[base + np.arange(int(counts.sum()))]
+    lo = np.maximum(nlo[m], olo[k])
+    hi = np.minimum(nhi[m], ohi[k])
+    vol = np.prod(np.clip(hi - lo, 0, None), axis=1)
+    keep = vol > 0
+    return m[keep], k[keep], lo[keep], hi[keep], vol[keep]
+
+
 def overlaps(old: Layout, new: Layout, classes: tuple[RouteClass, ...] | None = None) -> tuple[ClassOverlap, ...]:
     """Intersect every route class's old and new boxes; raise ValueError when a new box is not covered
     exactly once by the old layout (a hole, or replicas that hold different overlapping boxes)."""
@@ -137,27 +161,8 @@ def overlaps(old: Layout, new: Layout, classes: tuple[RouteClass, ...] | None = 
         ob, nb = old.class_boxes(rc.old_class), new.class_boxes(rc.new_class)
         olo, ohi, optr, oind = _distinct(ob.lo, ob.hi)
         nlo, nhi, nptr, nind = _distinct(nb.lo, nb.hi)
-        new_of, old_of, rlo, rhi, vol = [], [], [], [], []
-        for start in range(0, len(nlo), _BLOCK):
-            a, b = nlo[start:start + _BLOCK], nhi[start:start + _BLOCK]
-            lo = np.maximum(a[:, None, :], olo[None, :, :])
-            hi = np.minimum(b[:, None, :], ohi[None, :, :])
-            v = np.prod(np.clip(hi - lo, 0, None), axis=2)
-            m, k = np.nonzero(v)
-            new_of.append(m + start)
-            old_of.append(k)
-            rlo.append(lo[m, k])
-            rhi.append(hi[m, k])
-            vol.append(v[m, k])
-        nd = nlo.shape[1]
-        ov = ClassOverlap(
-            rc, optr, oind, nptr, nind,
-            np.concatenate(new_of) if new_of else np.zeros(0, np.int64),
-            np.concatenate(old_of) if old_of else np.zeros(0, np.int64),
-            np.concatenate(rlo) if rlo else np.zeros((0, nd), np.int64),
-            np.concatenate(rhi) if rhi else np.zeros((0, nd), np.int64),
-            np.concatenate(vol) if vol else np.zeros(0, np.int64),
-        )
+        m, k, lo, hi, vol = _intersect_all(nlo, nhi, olo, ohi)
+        ov = ClassOverlap(rc, optr, oind, nptr, nind, m, k, lo, hi, vol)
         covered = np.bincount(ov.new_of, weights=ov.volume, minlength=len(nlo))
         need = np.prod(nhi - nlo, axis=1)
         bad = np.nonzero(covered != need)[0]
@@ -283,31 +288,35 @@ def route_table(
     for ci, ov in enumerate(ovs):
         rc = ov.route
         ob, nb = old.class_boxes(rc.old_class), new.class_boxes(rc.new_class)
+        ob_pos, ob_shard, ob_lo = ob.position.tolist(), ob.shard.tolist(), ob.lo.tolist()
+        nb_pos, nb_shard, nb_lo = nb.position.tolist(), nb.shard.tolist(), nb.lo.tolist()
+        old_ptr, old_ind = ov.old_ptr.tolist(), ov.old_ind.tolist()
+        new_ptr, new_ind = ov.new_ptr.tolist(), ov.new_ind.tolist()
+        region_lo, region_hi, volume = ov.lo.tolist(), ov.hi.tolist(), ov.volume.tolist()
+        per_element = rc.bytes_per_element
         holders_cache: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
-        for x in range(len(ov.volume)):
-            k, m = int(ov.old_of[x]), int(ov.new_of[x])
+        for x, (k, m) in enumerate(zip(ov.old_of.tolist(), ov.new_of.tolist())):
             holders = holders_cache.get(k)
             if holders is None:
                 holders = []
-                for b in ov.old_ind[ov.old_ptr[k]:ov.old_ptr[k + 1]]:
-                    p = old.rank_map[int(ob.position[b])]
+                for b in old_ind[old_ptr[k]:old_ptr[k + 1]]:
+                    p = old.rank_map[ob_pos[b]]
                     if p is not None:
-                        holders.append((p, int(ob.shard[b]), tuple(int(v) for v in ob.lo[b])))
+                        holders.append((p, ob_shard[b], tuple(ob_lo[b])))
                 holders.sort()
                 holders_cache[k] = holders
-            box = Box(tuple(int(v) for v in ov.lo[x]), tuple(int(v) for v in ov.hi[x]))
-            vol = int(ov.volume[x])
-            for b in ov.new_ind[ov.new_ptr[m]:ov.new_ptr[m + 1]]:
-                q = int(nb.position[b])
+            box = Box._trusted(tuple(region_lo[x]), tuple(region_hi[x]))
+            vol = volume[x]
+            for b in new_ind[new_ptr[m]:new_ptr[m + 1]]:
+                q = nb_pos[b]
                 dst = new.rank_map[q]
                 if dst is None:
                     raise ValueError(f"new layout position {q} has no process: give every new position a process")
-                origin = tuple(int(v) for v in nb.lo[b])
+                origin = tuple(nb_lo[b])
                 own = [h for h in holders if h[0] == dst]
                 if own:
-                    reg = Region(ci, dst, int(nb.shard[b]), origin, box, (own[0],), 0, True)
-                    local_bytes[dst] = local_bytes.get(dst, 0) + vol * rc.bytes_per_element
-                    regions.append(reg)
+                    regions.append(Region(ci, dst, nb_shard[b], origin, box, (own[0],), 0, True))
+                    local_bytes[dst] = local_bytes.get(dst, 0) + vol * per_element
                     by_process.setdefault(dst, []).append(len(regions) - 1)
                     continue
                 if not holders:
@@ -317,11 +326,10 @@ def route_table(
                         "restore it from a snapshot, the switch cannot rebuild it"
                     )
                 srcs = holders
-                if node_of is not None:
+                if node_of is not None and len(holders) > 1:
                     near = [h for h in holders if node_of(h[0]) == node_of(dst)]
                     srcs = near or holders
-                reg = Region(ci, dst, int(nb.shard[b]), origin, box, tuple(srcs), q, False)
-                regions.append(reg)
+                regions.append(Region(ci, dst, nb_shard[b], origin, box, tuple(srcs), q, False))
                 ri = len(regions) - 1
                 by_process.setdefault(dst, []).append(ri)
                 n = len(srcs)

@@ -21,13 +21,13 @@ class Box:
     hi: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        lo, hi = tuple(int(x) for x in self.lo), tuple(int(x) for x in self.hi)
+        lo, hi = tuple(map(int, self.lo)), tuple(map(int, self.hi))
         if len(lo) != len(hi):
             raise ValueError(f"a box needs as many lower as upper bounds, got lo={lo} and hi={hi}")
-        if any(x < 0 for x in lo):
+        if lo and min(lo) < 0:
             raise ValueError(f"box bounds must be non-negative, got lo={lo}")
         object.__setattr__(self, "lo", lo)
-        object.__setattr__(self, "hi", tuple(max(h, l) for l, h in zip(lo, hi)))
+        object.__setattr__(self, "hi", hi if all(map(int.__le__, lo, hi)) else tuple(map(max, lo, hi)))
 
     @classmethod
     def _trusted(cls, lo: tuple[int, ...], hi: tuple[int, ...]) -> "Box":
@@ -92,7 +92,9 @@ class Box:
 
     def offset(self, origin: tuple[int, ...]) -> "Box":
         """The inverse of `shift`: local coordinates under ``origin`` -> global coordinates."""
-        return Box(tuple(l + o for l, o in zip(self.lo, origin)), tuple(h + o for h, o in zip(self.hi, origin)))
+        if origin and min(origin) < 0:
+            raise ValueError(f"origin {origin} has a negative coordinate")
+        return Box._trusted(tuple(map(int.__add__, self.lo, origin)), tuple(map(int.__add__, self.hi, origin)))
 
     def slices(self) -> tuple[slice, ...]:
         """Index a tensor or array with ``t[box.slices()]``."""
@@ -107,34 +109,35 @@ class Box:
         n = self.numel
         if not 0 <= start <= stop <= n:
             raise ValueError(f"element range [{start}, {stop}) is outside a box of {n} elements")
-        return [b.offset(self.lo) for b in _range_boxes(self.shape, start, stop)]
+        base = self.lo
+        return [
+            Box._trusted(tuple(map(int.__add__, lo, base)), tuple(map(int.__add__, hi, base)))
+            for lo, hi in _range_boxes(self.shape, start, stop)
+        ]
 
     def __repr__(self) -> str:
         return "Box[" + ", ".join(f"{l}:{h}" for l, h in zip(self.lo, self.hi)) + "]"
 
 
-def _range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+def _range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(lo, hi) of the boxes covering elements [start, stop) of a tensor of ``shape``, row-major."""
     if start >= stop:
         return []
     if len(shape) == 1:
-        return [Box((start,), (stop,))]
+        return [((start,), (stop,))]
     inner = 1
     for d in shape[1:]:
         inner *= d
     r0, c0 = divmod(start, inner)
     r1, c1 = divmod(stop, inner)
     if r0 == r1:
-        return [_prepend(b, r0) for b in _range_boxes(shape[1:], c0, c1)]
-    out: list[Box] = []
+        return [((r0,) + lo, (r0 + 1,) + hi) for lo, hi in _range_boxes(shape[1:], c0, c1)]
+    out = []
     if c0:
-        out += [_prepend(b, r0) for b in _range_boxes(shape[1:], c0, inner)]
+        out += [((r0,) + lo, (r0 + 1,) + hi) for lo, hi in _range_boxes(shape[1:], c0, inner)]
         r0 += 1
     if r1 > r0:
-        out.append(Box((r0,) + (0,) * (len(shape) - 1), (r1,) + tuple(shape[1:])))
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1,) + tuple(shape[1:])))
     if c1:
-        out += [_prepend(b, r1) for b in _range_boxes(shape[1:], 0, c1)]
+        out += [((r1,) + lo, (r1 + 1,) + hi) for lo, hi in _range_boxes(shape[1:], 0, c1)]
     return out
-
-
-def _prepend(box: Box, row: int) -> Box:
-    return Box((row,) + box.lo, (row + 1,) + box.hi)

@@ -98,12 +98,10 @@ def _tp_ranges(rule: ShardRule, tp: int, t: int) -> list[list[tuple[int, int]]]:
     return ranges
 
 
-def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> LocalShards:
-    """The shards at dp_shard index ``s`` and tp index ``t`` (every dp_replicate index holds the same)."""
-    ranges = _tp_ranges(rule, pcfg.tp, t)
+def _shards_from_ranges(ranges: list[list[tuple[int, int]]], dp_shard: int, s: int) -> LocalShards:
     rows = ranges[0]
     local_rows = sum(hi - lo for lo, hi in rows)
-    a, b = chunk_bounds(local_rows, pcfg.dp_shard, s)
+    a, b = chunk_bounds(local_rows, dp_shard, s)
     # Map the FSDP chunk [a, b) of the stacked TP-local rows back to global row ranges.
     picked: list[tuple[int, int, int]] = []  # (global lo, global hi, local row offset)
     pos = 0
@@ -113,25 +111,37 @@ def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> Local
         if x < y:
             picked.append((lo + x - pos, lo + y - pos, x - a))
         pos += n
-    local_shape = [b - a] + [sum(hi - lo for lo, hi in r) for r in ranges[1:]]
+    local_shape = (b - a,) + tuple(sum(hi - lo for lo, hi in r) for r in ranges[1:])
+    # The other dimensions: every non-empty global range with its offset in the local tensor.
+    others: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [((), (), ())]
+    for dim_ranges in ranges[1:]:
+        nxt = []
+        col_off = 0
+        for lo, hi in dim_ranges:
+            if hi > lo:
+                nxt += [(l + (lo,), h + (hi,), o + (col_off,)) for l, h, o in others]
+            col_off += hi - lo
+        others = nxt
     boxes, offsets = [], []
     for row_lo, row_hi, row_off in picked:
-        combos: list[tuple[list[int], list[int], list[int]]] = [([row_lo], [row_hi], [row_off])]
-        for dim_ranges in ranges[1:]:
-            nxt = []
-            col_off = 0
-            for lo, hi in dim_ranges:
-                if hi > lo:
-                    nxt += [(l + [lo], h + [hi], o + [col_off]) for l, h, o in combos]
-                col_off += hi - lo
-            combos = nxt
-        for l, h, o in combos:
-            boxes.append(Box(tuple(l), tuple(h)))
-            offsets.append(tuple(o))
-    return LocalShards(tuple(boxes), tuple(offsets), tuple(local_shape))
+        for l, h, o in others:
+            boxes.append(Box._trusted((row_lo,) + l, (row_hi,) + h))
+            offsets.append((row_off,) + o)
+    return LocalShards(tuple(boxes), tuple(offsets), local_shape)
+
+
+def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> LocalShards:
+    """The shards at dp_shard index ``s`` and tp index ``t`` (every dp_replicate index holds the same)."""
+    return _shards_from_ranges(_tp_ranges(rule, pcfg.tp, t), pcfg.dp_shard, s)
 
 
 def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> tuple[LocalShards, ...]:
     """`local_shards` for every mesh position in the default order, position = (r*S + s)*T + t."""
-    per_st = [local_shards(rule, pcfg, s, t) for s in range(pcfg.dp_shard) for t in range(pcfg.tp)]
+    per_t = [_tp_ranges(rule, pcfg.tp, t) for t in range(pcfg.tp)]
+    if rule.tp_dim is None:
+        # Replicated over TP: one computation per dp_shard index serves every t.
+        per_s = [_shards_from_ranges(per_t[0], pcfg.dp_shard, s) for s in range(pcfg.dp_shard)]
+        per_st = [per_s[s] for s in range(pcfg.dp_shard) for _ in range(pcfg.tp)]
+    else:
+        per_st = [_shards_from_ranges(per_t[t], pcfg.dp_shard, s) for s in range(pcfg.dp_shard) for t in range(pcfg.tp)]
     return tuple(per_st) * pcfg.dp_replicate

@@ -1,0 +1,3 @@
+from dynatrain.callbacks.progress import StepPrinter
+
+__all__ = ["StepPrinter"]

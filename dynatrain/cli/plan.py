@@ -1,0 +1,183 @@
+"""``dynatrain plan``: plan a layout switch offline and print what it would cost.
+
+    dynatrain plan --model llama3-70b --from dp_shard=16,tp=8 --to dp_shard=8,tp=8 [--leave 3,17]
+        [--rank-map identity|optimal] [--budget-mb 2048] [--gpus-per-node 8] [--link-gbps 200]
+        [--nics-per-node 8] [--intra-node-gbps 3200] [--state fp32-adam|bf16-adam|fp32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
+from dynatrain.planner.network import NetworkModel
+from dynatrain.planner.schedule import plan_switch
+from dynatrain.vps.layout import STATE_KINDS, Layout
+from dynatrain.vps.parallel_config import ParallelConfig
+
+HELP = "plan a layout switch offline: bytes moved, rounds, predicted seconds"
+
+
+def _process_list(text: str) -> list[int]:
+    if not text.strip():
+        return []
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated process ids like 3,17, got {text!r}") from None
+    if any(p < 0 for p in out):
+        raise argparse.ArgumentTypeError(f"process ids are non-negative, got {text!r}")
+    return out
+
+
+def _layout(text: str) -> ParallelConfig:
+    try:
+        return ParallelConfig.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS), help="model shapes to plan for")
+    parser.add_argument("--from", dest="old", required=True, type=_layout, metavar="LAYOUT",
+                        help="current layout, e.g. dp_shard=16,tp=8 (processes 0..N-1 in mesh order)")
+    parser.add_argument("--to", dest="new", required=True, type=_layout, metavar="LAYOUT", help="target layout")
+    parser.add_argument("--leave", type=_process_list, default=[], metavar="IDS",
+                        help="processes that must leave (they still send what they hold)")
+    parser.add_argument("--lost", type=_process_list, default=[], metavar="IDS",
+                        help="processes already gone: their shards must come from replicas")
+    parser.add_argument("--rank-map", choices=("identity", "optimal"), default="optimal",
+                        help="which process takes each new mesh position (default: optimal)")
+    parser.add_argument("--budget-mb", type=float, default=2048.0,
+                        help="staging memory per rank and round, send + receive, in MiB (default 2048)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="keep every new TP group inside one node and prefer replicas on the receiver's node "
+                             "(the network model assumes 8 when this is not given)")
+    parser.add_argument("--link-gbps", type=float, default=200.0, help="bandwidth of one NIC, Gbit/s (default 200)")
+    parser.add_argument("--nics-per-node", type=int, default=8, help="NICs per node (default 8)")
+    parser.add_argument("--intra-node-gbps", type=float, default=3200.0,
+                        help="per-GPU bandwidth inside a node, Gbit/s (default 3200)")
+    parser.add_argument("--state", choices=sorted(STATE_KINDS), default="fp32-adam",
+                        help="fp32-adam: fp32 weight + Adam moments (12 B/element); bf16-adam: bf16 weight + fp32 "
+                             "master + moments (14 B/element); fp32: weights only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``plan`` on an argparse subparsers object."""
+    return configure(subparsers.add_parser("plan", help=HELP, description=HELP))
+
+
+def compute(args: argparse.Namespace) -> dict:
+    """The plan's figures as a dict (what --json prints)."""
+    model = get_model_config(args.model)
+    args.old.validate(model)
+    args.new.validate(model)
+    if not args.budget_mb > 0:
+        raise ValueError(f"--budget-mb must be positive, got {args.budget_mb}")
+    budget = max(1, int(args.budget_mb * (1 << 20)))
+    network = NetworkModel(args.gpus_per_node or 8, args.link_gbps, args.nics_per_node, args.intra_node_gbps)
+
+    start = time.perf_counter()
+    old = Layout.for_model(model, args.old, args.state)
+    plan = plan_switch(old, args.new, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
+                       budget_bytes=budget, gpus_per_node=args.gpus_per_node)
+    sent, recv = plan.rank_bytes()
+    # What one rank computes at switch time: the global part above plus its own pieces; time the busiest.
+    busiest = max(plan.processes, key=lambda p: (sent.get(p, 0) + recv.get(p, 0), -p))
+    plan.rank_plan(busiest)
+    plan_seconds = time.perf_counter() - start
+
+    total = plan.bytes_total
+    asg = plan.assignment
+    return {
+        "model": model.name,
+        "state": args.state,
+        "from": args.old.short(),
+        "to": args.new.short(),
+        "rank_map": asg.method,
+        "processes_old": len(old.processes),
+        "processes_new": len(plan.new.processes),
+        "leaving": sorted(set(args.leave) | set(asg.idle)),
+        "lost": sorted(args.lost),
+        "joining": list(asg.joiners),
+        "bytes_total": total,
+        "bytes_moved": plan.bytes_moved,
+        "bytes_moved_identity": plan.bytes_moved_identity,
+        "fraction_moved": plan.bytes_moved / total if total else 0.0,
+        "fraction_moved_identity": (plan.bytes_moved_identity / total
+                                    if total and plan.bytes_moved_identity is not None else None),
+        "max_rank_bytes": max([*sent.values(), *recv.values()], default=0),
+        "max_rank_send_bytes": max(sent.values(), default=0),
+        "max_rank_recv_bytes": max(recv.values(), default=0),
+        "rounds": plan.num_rounds,
+        "budget_bytes": budget,
+        "peak_staging_bytes": plan.peak_staging_bytes,
+        "predicted_seconds": network.predict_seconds(plan.traffic),
+        "plan_seconds": plan_seconds,
+        "timed_rank": busiest,
+        "network": {
+            "gpus_per_node": network.gpus_per_node, "link_gbps": network.link_gbps,
+            "nics_per_node": network.nics_per_node, "intra_node_gbps": network.intra_node_gbps,
+            "round_latency_s": network.round_latency_s,
+        },
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f" ({100 * x:.1f}% of all state)"
+
+
+def render(r: dict) -> str:
+    net = r["network"]
+    lines = [
+        f"model {r['model']}, state {r['state']}",
+        f"switch {r['from']} ({r['processes_old']} processes) -> {r['to']} ({r['processes_new']} processes), "
+        f"rank map {r['rank_map']}; leaving {len(r['leaving'])}, lost {len(r['lost'])}, joining {len(r['joining'])}",
+        f"bytes total                {_size(r['bytes_total'])}",
+        f"bytes moved                {_size(r['bytes_moved'])}{_pct(r['fraction_moved'])}",
+        f"bytes moved, identity map  {_size(r['bytes_moved_identity'])}{_pct(r['fraction_moved_identity'])}",
+        f"largest per-rank send      {_size(r['max_rank_send_bytes'])}",
+        f"largest per-rank receive   {_size(r['max_rank_recv_bytes'])}",
+        f"rounds                     {r['rounds']} (budget {_size(r['budget_bytes'])} per rank and round)",
+        f"peak staging per rank      {_size(r['peak_staging_bytes'])}",
+        f"predicted transfer         {r['predicted_seconds']:.3f} s ({net['gpus_per_node']} GPUs per node, "
+        f"{net['nics_per_node']} x {net['link_gbps']:g} Gbit/s NICs per node, {net['intra_node_gbps']:g} Gbit/s "
+        f"per GPU inside a node, {net['round_latency_s'] * 1e6:g} us per round; see docs/planner.md)",
+        f"planning                   {r['plan_seconds']:.3f} s (one rank: layouts, assignment, routing, "
+        f"schedule, its own pieces; timed on rank {r['timed_rank']})",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = compute(args)
+    except ValueError as err:
+        print(f"dynatrain plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = configure(argparse.ArgumentParser(prog="dynatrain plan", description=HELP))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
