@@ -75,6 +75,9 @@ class LlamaLM(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if hasattr(datamodule, "check_model_vocab"):
+            datamodule.check_model_vocab(self.model_config.vocab_size)
         with torch.device("meta"):
             model = Transformer(self.model_config)
         strategy = self.trainer.strategy

@@ -43,6 +43,12 @@ def test_layouts_match_single_process(reference, tmp_path, layout, nprocs, expec
     assert sorted({r["dp_rank"] for r in results}) == list(range(dp))
 
 
+def test_sequence_parallel_matches_single_process(reference, tmp_path):
+    results = launch("train.py", 4, [*COMMON, "--layout", "dp_shard=2,tp=2", "--sequence-parallel"], tmp_path)
+    for res in results:
+        assert_close(res["losses"], reference)
+
+
 def test_strategy_parallelises_a_plain_transformer(reference, tmp_path):
     results = launch("train.py", 2, [*COMMON, "--layout", "tp=2", "--plain-module"], tmp_path)
     for res in results:

@@ -158,17 +158,87 @@ def optimal_map(
             value[n, g] = int(block[r, c].sum())
     slot_node = [n for n, cap in enumerate(caps) for _ in range(cap)]
     s_idx, g_idx = _lap(value[slot_node])
-    groups_of: dict[int, list[int]] = {}
-    for s, g in sorted(zip(s_idx.tolist(), g_idx.tolist())):
-        groups_of.setdefault(slot_node[s], []).append(g)
+    node_of_group = [0] * n_groups
+    for s, g in zip(s_idx.tolist(), g_idx.tolist()):
+        node_of_group[g] = slot_node[s]
+    node_of_group = _improve(w, blocks, caps, tp, node_of_group, value)
     # Level 2: exact placement inside each node.
-    for n, groups in sorted(groups_of.items()):
+    for n in range(len(blocks)):
+        groups = [g for g in range(n_groups) if node_of_group[g] == n]
+        if not groups:
+            continue
         rows = blocks[n]
-        cols = [g * tp + t for g in sorted(groups) for t in range(tp)]
+        cols = [g * tp + t for g in groups for t in range(tp)]
         r, c = _lap(w[np.ix_(rows, cols)])
         for ri, ci in zip(r, c):
             out[cols[int(ci)]] = cands[rows[int(ri)]]
     return out
+
+
+def _improve(
+    w: np.ndarray, blocks: list[list[int]], caps: list[int], tp: int, node_of_group: list[int], value: np.ndarray
+) -> list[int]:
+    """Local search on the group -> node map: move a group to a node with a free slot, or swap two groups,
+    whenever the exact per-node values say the total improves. Only nodes where a group is worth something
+    are tried, which keeps it sparse at 1,024 ranks. Strict integer gains: it terminates, deterministically."""
+    cache: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def f(n: int, groups: tuple[int, ...]) -> int:
+        key = (n, groups)
+        got = cache.get(key)
+        if got is None:
+            if groups:
+                cols = [g * tp + t for g in groups for t in range(tp)]
+                sub = w[np.ix_(blocks[n], cols)]
+                r, c = _lap(sub)
+                got = int(sub[r, c].sum())
+            else:
+                got = 0
+            cache[key] = got
+        return got
+
+    n_groups = len(node_of_group)
+    on: list[list[int]] = [[] for _ in blocks]
+    for g, n in enumerate(node_of_group):
+        on[n].append(g)
+    worth = [np.nonzero(value[:, g])[0].tolist() for g in range(n_groups)]
+    for _ in range(50):
+        improved = False
+        for g in range(n_groups):
+            a = node_of_group[g]
+            for b in worth[g]:
+                if b == a:
+                    continue
+                ga = tuple(x for x in on[a] if x != g)
+                base = f(a, tuple(on[a])) + f(b, tuple(on[b]))
+                best, move = 0, None
+                if len(on[b]) < caps[b]:
+                    gain = f(a, ga) + f(b, tuple(sorted(on[b] + [g]))) - base
+                    if gain > best:
+                        best, move = gain, None
+                        best_move = ("move", None)
+                for h in on[b]:
+                    gain = (f(a, tuple(sorted(ga + (h,)))) + f(b, tuple(sorted([x for x in on[b] if x != h] + [g])))
+                            - base)
+                    if gain > best:
+                        best, move = gain, h
+                        best_move = ("swap", h)
+                if best > 0:
+                    kind, h = best_move
+                    on[a].remove(g)
+                    on[b].append(g)
+                    on[b].sort()
+                    node_of_group[g] = b
+                    if kind == "swap":
+                        on[b].remove(h)
+                        on[a].append(h)
+                        on[a].sort()
+                        node_of_group[h] = a
+                    improved = True
+                    break
+        if not improved:
+            break
+    return node_of_group
 
 
 def kept_bytes(w: np.ndarray, cands: list[int], rank_map: Sequence[int]) -> int:

@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--save", default=None, help="save a DCP checkpoint here after the last step")
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--strategy", choices=["dynatrain", "lightning"], default="dynatrain",
                     help="lightning: Lightning's ModelParallelStrategy, LlamaLM parallelising on its mesh")
     ap.add_argument("--plain-module", action="store_true",
@@ -60,7 +61,7 @@ def main() -> None:
     if args.strategy == "lightning":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
-        strategy = dynatrain.DynaTrainStrategy(parallel=args.layout)
+        strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, sequence_parallel=args.sequence_parallel)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world,
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
