@@ -29,6 +29,7 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
 METHODS = ("identity", "optimal")
+_MAX_PASSES = 50  # local-search passes; each pass only continues after a strict gain
 
 
 @dataclass(frozen=True)
@@ -202,38 +203,31 @@ def _improve(
     for g, n in enumerate(node_of_group):
         on[n].append(g)
     worth = [np.nonzero(value[:, g])[0].tolist() for g in range(n_groups)]
-    for _ in range(50):
+    for _ in range(_MAX_PASSES):
         improved = False
         for g in range(n_groups):
             a = node_of_group[g]
             for b in worth[g]:
                 if b == a:
                     continue
-                ga = tuple(x for x in on[a] if x != g)
+                rest_a = tuple(x for x in on[a] if x != g)
                 base = f(a, tuple(on[a])) + f(b, tuple(on[b]))
-                best, move = 0, None
+                best, partner = 0, None  # partner None: a plain move into a free slot of b
                 if len(on[b]) < caps[b]:
-                    gain = f(a, ga) + f(b, tuple(sorted(on[b] + [g]))) - base
-                    if gain > best:
-                        best, move = gain, None
-                        best_move = ("move", None)
+                    best = f(a, rest_a) + f(b, tuple(sorted(on[b] + [g]))) - base
                 for h in on[b]:
-                    gain = (f(a, tuple(sorted(ga + (h,)))) + f(b, tuple(sorted([x for x in on[b] if x != h] + [g])))
-                            - base)
+                    gain = (f(a, tuple(sorted(rest_a + (h,))))
+                            + f(b, tuple(sorted([x for x in on[b] if x != h] + [g]))) - base)
                     if gain > best:
-                        best, move = gain, h
-                        best_move = ("swap", h)
+                        best, partner = gain, h
                 if best > 0:
-                    kind, h = best_move
                     on[a].remove(g)
-                    on[b].append(g)
-                    on[b].sort()
+                    on[b] = sorted(on[b] + [g])
                     node_of_group[g] = b
-                    if kind == "swap":
-                        on[b].remove(h)
-                        on[a].append(h)
-                        on[a].sort()
-                        node_of_group[h] = a
+                    if partner is not None:
+                        on[b].remove(partner)
+                        on[a] = sorted(on[a] + [partner])
+                        node_of_group[partner] = a
                     improved = True
                     break
         if not improved:

@@ -1,0 +1,97 @@
+"""The transition engine: exact results and the memory bound, in-process (local-only plans, errors) and on
+2, 3 and 4 gloo ranks with random layouts, scale-in/out and budgets that force several rounds."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import launch
+from dynatrain.engine import TransitionError, run_transition, validate_sources
+from dynatrain.planner.schedule import plan_switch
+from dynatrain.vps.layout import Layout, StateSpec
+from dynatrain.vps.parallel_config import ParallelConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from engine_worker import fill_local  # noqa: E402
+
+CONST = 4096  # slack of the peak bound: alignment padding of the staging slots
+
+
+def _states():
+    return [StateSpec("w", (7, 5), "float32", 0), StateSpec("w.m", (7, 5), "bfloat16", 0),
+            StateSpec("b", (6, 9), "float64", 1), StateSpec("n", (5,), "int8", None),
+            StateSpec("f", (12, 3), "float32", 0, (4, 4, 4))]
+
+
+def _one_process_plan(pid: int = 0, budget: int = 64):
+    old = Layout.from_config(_states(), ParallelConfig(), [pid])
+    return plan_switch(old, ParallelConfig(), budget_bytes=budget, rank_map=[pid])
+
+
+def test_local_only_plan_keeps_tensors_in_place():
+    plan = _one_process_plan(pid=7)
+    src = {s.name: fill_local(plan.old, s.name, 7, seed=3) for s in plan.old.states}
+    ids = {name: id(t) for name, t in src.items()}
+    want = {name: t.clone() for name, t in src.items()}
+    dst, stats = run_transition(plan, 7, src)  # no send or receive: no process group needed
+    assert not src
+    for name, t in want.items():
+        assert torch.equal(dst[name], t) and dst[name].dtype == t.dtype
+        assert id(dst[name]) == ids[name]  # adopted, not copied
+    assert stats.bytes_sent == stats.bytes_received == stats.bytes_local == 0
+    assert stats.bytes_kept == plan.old.total_bytes
+    assert stats.peak_bytes == stats.src_bytes == stats.dst_bytes
+
+
+def test_local_only_plan_copies_without_keep_in_place():
+    plan = _one_process_plan()
+    src = {s.name: fill_local(plan.old, s.name, 0, seed=4) for s in plan.old.states}
+    want = {name: t.clone() for name, t in src.items()}
+    dst, stats = run_transition(plan, 0, src, keep_in_place=False)
+    for name, t in want.items():
+        assert torch.equal(dst[name], t)
+    assert stats.bytes_local == plan.old.total_bytes
+    # Each source is freed right after its copy: the peak is far below src + dst.
+    largest = max(t.numel() * t.element_size() for t in want.values())
+    assert stats.peak_bytes <= stats.src_bytes + largest
+
+
+def test_errors_name_the_bad_source():
+    plan = _one_process_plan()
+    good = {s.name: fill_local(plan.old, s.name, 0, seed=5) for s in plan.old.states}
+    missing = dict(good)
+    del missing["b"]
+    with pytest.raises(TransitionError, match="no source tensor for state 'b'"):
+        run_transition(plan, 0, missing)
+    with pytest.raises(TransitionError, match=r"state 'w' has shape \(5, 7\)"):
+        validate_sources(plan, 0, {**good, "w": torch.zeros(5, 7)})
+    with pytest.raises(TransitionError, match="state 'w.m' has dtype torch.float32"):
+        validate_sources(plan, 0, {**good, "w.m": torch.zeros(7, 5)})
+    validate_sources(plan, 0, good)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs,cases", [(2, 6), (3, 6), (4, 6)])
+def test_engine_random_switches(tmp_path, nprocs, cases):
+    out = launch("engine_worker.py", nprocs, ["--cases", str(cases), "--seed", "1"], tmp_path, timeout=100)
+    multi_round = 0
+    moved = 0
+    for rank_out in out:
+        assert len(rank_out["results"]) == cases
+        for res in rank_out["results"]:
+            assert res["ok"], f"rank {rank_out['rank']} case {res['desc']}: wrong destinations {res['errors']}"
+            st = res.get("stats")
+            if st is None:
+                continue  # this process takes no part in that switch
+            assert st["staging_bytes"] <= res["budget"] + CONST
+            assert st["peak_bytes"] <= max(st["src_bytes"], st["dst_bytes"]) + res["budget"] + CONST, res
+            multi_round += res["rounds"] > 2
+            moved += st["bytes_sent"]
+    assert multi_round, "the budget should force several rounds in some case"
+    assert moved > 0
