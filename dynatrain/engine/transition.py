@@ -255,7 +255,7 @@ def run_transition(
 
     def free_source(name: str) -> None:
         t = src.pop(name, None)
-        if t is not None:
+        if t is not None and name not in kept:
             live.sub(t.numel() * t.element_size())
         del t
 
@@ -267,16 +267,17 @@ def run_transition(
             live.add(t.numel() * t.element_size())
         return t
 
-    # In-place adoption: every piece of the state is a local copy onto the same local coordinates.
+    # In-place adoption: the new local tensor is the old one (same shape, every element it needs is a local
+    # copy onto the same local coordinates). Sends may still read it: adopting changes no byte.
+    kept: set[str] = set()
     if keep_in_place:
-        sent_states = {t.state for ms in rp.sends for m in ms for t in m.pieces}
         recv_states = {t.state for ms in rp.recvs for m in ms for t in m.pieces}
         copies_by_state: dict[str, list[Transfer]] = {}
         for ts in rp.local_copies:
             for t in ts:
                 copies_by_state.setdefault(t.state, []).append(t)
         for name, ts in copies_by_state.items():
-            if name in sent_states or name in recv_states or name not in src or name not in dst_shards:
+            if name in recv_states or name not in src or name not in dst_shards:
                 continue
             s_sh, d_sh = src_shards[name], dst_shards[name]
             if tuple(s_sh.local_shape) != tuple(d_sh.local_shape):
@@ -285,14 +286,13 @@ def run_transition(
                 _local_box(s_sh.offsets[t.src_shard], t.src_box) == _local_box(d_sh.offsets[t.dst_shard], t.dst_box)
                 for t in ts
             )
-            if same and sum(t.src_box.numel for t in ts) == src[name].numel():
-                dst[name] = src.pop(name)  # the same bytes, now counted as a destination
-                uses[name] = 0
+            if same and sum(t.dst_box.numel for t in ts) == src[name].numel():
+                dst[name] = src[name]  # the same bytes, from now on counted as a destination
+                kept.add(name)
+                uses[name] -= len(ts)
                 stats.bytes_kept += sum(t.nbytes for t in ts)
-    kept = {name for name in dst}
     for name in [n for n, c in uses.items() if c == 0]:
-        if name not in kept:
-            free_source(name)  # nothing reads it (or its data is all in place already)
+        free_source(name)  # nothing (more) reads it
     # Destinations with no element: allocate now (zero bytes), so every state comes back.
     for name, sh in dst_shards.items():
         if sh.numel == 0:
@@ -350,9 +350,7 @@ def run_transition(
             ops.append(dist.P2POp(dist.irecv, staging[off:off + m.nbytes], group=group, group_peer=peer_of(m.src)))
         works = dist.batch_isend_irecv(ops) if ops else []
         t2 = time.perf_counter()
-        for t in rp.local_copies[k]:
-            if t.state in kept:
-                continue  # adopted in place before round 0
+        for t in _copy_order(rp.local_copies[k], kept, uses, src, dst, dst_spec):
             s_sh, d_sh = src_shards[t.state], dst_shards[t.state]
             out = _box_view(get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
             out.copy_(_box_view(src[t.state], s_sh.offsets[t.src_shard], t.src_box))
@@ -387,7 +385,7 @@ def run_transition(
 
     del staging
     live.sub(size)
-    leftover = [name for name in src_shards if name in src and name not in kept]
+    leftover = [name for name in src_shards if name in src]
     if leftover:  # a plan bug: every source should have been read to the end
         raise TransitionError(f"rank {rank}: source tensors {leftover} were never fully read by the plan")
     missing = [name for name in dst_spec if name not in dst]
@@ -400,3 +398,27 @@ def run_transition(
 
 def _local_box(origin: tuple[int, ...], box: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(o + l for o, l in zip(origin, box.lo)), tuple(o + h for o, h in zip(origin, box.hi))
+
+
+def _copy_order(copies, kept, uses, src, dst, dst_spec) -> list[Transfer]:
+    """The round's local copies grouped by state, states that free more than they allocate first, so a
+    shrinking state never waits behind a growing one (the peak of a local-only switch is then at most the
+    sources plus one destination tensor)."""
+    groups: dict[str, list[Transfer]] = {}
+    for t in copies:
+        if t.state not in kept:  # kept states were adopted in place before round 0
+            groups.setdefault(t.state, []).append(t)
+
+    def net(name: str) -> int:
+        grow = 0
+        if name not in dst:
+            shape, dtype = dst_spec[name]
+            grow = torch_dtype(dtype).itemsize
+            for d in shape:
+                grow *= d
+        s = src.get(name)
+        free = s.numel() * s.element_size() if s is not None and uses[name] == len(groups[name]) else 0
+        return grow - free
+
+    order = sorted(groups, key=net)
+    return [t for name in order for t in groups[name]]
