@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+
+from dynatrain.planner import NetworkModel, plan_switch
+from dynatrain.vps import Layout, ParallelConfig
+
+LAT = 20e-6
+
+
+def test_intra_node_runs_at_nvlink_speed():
+    net = NetworkModel()  # 3200 Gbit/s = 400 GB/s per GPU inside a node
+    assert net.round_seconds([(0, 1, 4_000_000_000)]) == pytest.approx(0.01 + LAT)
+    # A GPU receiving from two peers at once is the bottleneck of the round.
+    assert net.round_seconds([(0, 2, 4_000_000_000), (1, 2, 4_000_000_000)]) == pytest.approx(0.02 + LAT)
+
+
+def test_inter_node_per_gpu_rail_and_node_limit():
+    net = NetworkModel()  # 8 x 200 Gbit/s: 25 GB/s per GPU, 200 GB/s per node
+    assert net.round_seconds([(0, 8, 2_500_000_000)]) == pytest.approx(0.1 + LAT)
+    # Eight GPUs of node 0 to eight of node 1 in parallel: the rails add up.
+    assert net.round_seconds([(g, 8 + g, 2_500_000_000) for g in range(8)]) == pytest.approx(0.1 + LAT)
+    shared = NetworkModel(nics_per_node=1)  # one NIC for eight GPUs: the node link is the limit
+    assert shared.round_seconds([(0, 8, 2_500_000_000), (1, 9, 2_500_000_000)]) == pytest.approx(0.2 + LAT)
+
+
+def test_intra_and_inter_overlap_and_rounds_add_up():
+    net = NetworkModel()
+    both = [(0, 1, 4_000_000_000), (0, 8, 250_000_000)]
+    assert net.round_seconds(both) == pytest.approx(0.01 + LAT)
+    traffic = (((0, 1, 0, 4_000_000_000),), (), ((0, 8, 0, 2_500_000_000),))
+    assert net.predict_seconds(traffic) == pytest.approx(0.11 + 2 * LAT)
+
+
+def test_bad_network_is_refused():
+    with pytest.raises(ValueError, match="link_gbps"):
+        NetworkModel(link_gbps=0)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        NetworkModel(gpus_per_node=0)
+
+
+def test_70b_128_to_64_is_predicted_under_a_second():
+    old = Layout.for_model("llama3-70b", ParallelConfig(dp_shard=128))
+    net = NetworkModel()
+    for leave in ((), tuple(range(64, 128))):
+        plan = plan_switch(old, "dp_shard=64", leave=leave, gpus_per_node=8)
+        assert net.predict_seconds(plan.traffic) < 1.0
