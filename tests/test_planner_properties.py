@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -83,7 +82,7 @@ def test_random_switches_are_exact_minimal_and_deterministic(case):
     assert again.fingerprint(ends) == plan.fingerprint(ends)
     ident = plan_switch(old, new_cfg, leave=leave, lost=lost, budget_bytes=budget, gpus_per_node=gpus,
                         rank_map="identity")
-    if budget_choice % 2:
+    if budget_choice % 3 == 1:  # executing a third of the identity plans keeps the test cheap
         execute(ident)
     assert ident.bytes_moved == ident.table.bytes_moved == plan.bytes_moved_identity
     assert plan.bytes_moved <= ident.bytes_moved

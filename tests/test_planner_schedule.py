@@ -13,7 +13,7 @@ import pytest
 from _planner_check import execute
 from dynatrain.planner import plan_switch
 from dynatrain.planner.schedule import min_budget, schedule_pairs
-from dynatrain.vps import Layout, ParallelConfig, StateSpec, model_states
+from dynatrain.vps import Layout, ParallelConfig, StateSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,6 +39,8 @@ def test_budget_below_one_element_names_the_minimum():
     assert min_budget({(0, 1): ((8, 16), (2, 4))}) == 8
     with pytest.raises(ValueError, match="at least 8 bytes"):
         schedule_pairs({(0, 1): ((8, 16), (2, 4))}, 7)
+    with pytest.raises(ValueError, match="at least 2000 bytes"):
+        schedule_pairs({(0, 1): ((4, 200_000_000),)}, 4)
 
 
 def test_star_meets_the_lower_bound():

@@ -22,14 +22,18 @@ HELP = "plan a layout switch offline: bytes moved, rounds, predicted seconds"
 
 
 def _process_list(text: str) -> list[int]:
-    if not text.strip():
-        return []
-    try:
-        out = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated process ids like 3,17, got {text!r}") from None
-    if any(p < 0 for p in out):
-        raise argparse.ArgumentTypeError(f"process ids are non-negative, got {text!r}")
+    """``3,17`` or ranges ``64-127`` (inclusive), mixed freely."""
+    out: list[int] = []
+    for term in (t.strip() for t in text.split(",") if t.strip()):
+        lo, _, hi = term.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected process ids like 3,17 or ranges like 64-127, got {text!r}") from None
+        if a < 0 or b < a:
+            raise argparse.ArgumentTypeError(f"bad process range {term!r} in {text!r}: use LOW-HIGH with 0 <= LOW <= HIGH")
+        out += range(a, b + 1)
     return out
 
 
@@ -46,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="current layout, e.g. dp_shard=16,tp=8 (processes 0..N-1 in mesh order)")
     parser.add_argument("--to", dest="new", required=True, type=_layout, metavar="LAYOUT", help="target layout")
     parser.add_argument("--leave", type=_process_list, default=[], metavar="IDS",
-                        help="processes that must leave (they still send what they hold)")
+                        help="processes that must leave, e.g. 3,17 or 64-127 (they still send what they hold)")
     parser.add_argument("--lost", type=_process_list, default=[], metavar="IDS",
                         help="processes already gone: their shards must come from replicas")
     parser.add_argument("--rank-map", choices=("identity", "optimal"), default="optimal",

@@ -118,7 +118,11 @@ class Transformer(nn.Module):
             value = init_slice(name, tuple(param.shape), offset, shape, init_std(name, cfg.dim, cfg.n_layers),
                                cfg.init_seed)
             local.copy_(value.reshape(local.shape))
-        self.freqs_cis = self._freqs_cis(device=buffer_device or self.freqs_cis.device)
+        self.init_buffers(buffer_device or self.freqs_cis.device)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the non-persistent buffers (after `to_empty`)."""
+        self.freqs_cis = self._freqs_cis(device=device)
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:

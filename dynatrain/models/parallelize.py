@@ -33,8 +33,30 @@ def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[in
     order = list(range(pcfg.world_size)) if ranks is None else [int(r) for r in ranks]
     if len(order) != pcfg.world_size or len(set(order)) != len(order):
         raise ValueError(f"layout {pcfg} needs {pcfg.world_size} distinct ranks, got {order}")
+    if not mesh_safe(order, pcfg):
+        raise ValueError(
+            f"rank arrangement {order} for {pcfg.short()} is not ascending along every mesh dimension: torch "
+            "creates each mesh group with sorted ranks, so its collectives would disagree with the mesh coordinates"
+        )
     mesh = torch.tensor(order, dtype=torch.int).view(pcfg.mesh_shape)
     return DeviceMesh(device_type, mesh, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
+    """True when ranks ascend along every dimension of the (dp_replicate, dp_shard, tp) mesh.
+
+    `new_group` sorts its ranks, so a group's rank order equals the mesh order only for such arrangements;
+    any other one silently permutes all-gathers and reduce-scatters.
+    """
+    R, S, T = pcfg.mesh_shape
+    at = lambda r, s, t: ranks[(r * S + s) * T + t]  # noqa: E731
+    for r in range(R):
+        for s in range(S):
+            for t in range(T):
+                if (t + 1 < T and at(r, s, t) >= at(r, s, t + 1)) or (s + 1 < S and at(r, s, t) >= at(r, s + 1, t)) \
+                        or (r + 1 < R and at(r, s, t) >= at(r + 1, s, t)):
+                    return False
+    return True
 
 
 def _style(style: str, sequence_parallel: bool):

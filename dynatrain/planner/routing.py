@@ -255,15 +255,15 @@ class RouteTable:
         for ri in self.by_process.get(process, ()):
             reg = self.regions[ri]
             rc = self.classes[reg.route]
-            shape_lo = reg.box
+            box = reg.box
             for si, rot in zip(rc.states, rc.rotation_index):
                 spec = states[si]
                 src, src_shard, src_origin = reg.source_for(rot)
                 if process != src and process != reg.dst:
                     continue
                 t = Transfer(
-                    src, reg.dst, spec.name, src_shard, shape_lo.shift(src_origin),
-                    reg.dst_shard, shape_lo.shift(reg.dst_origin), reg.box.numel * spec.itemsize,
+                    src, reg.dst, spec.name, src_shard, box.shift(src_origin),
+                    reg.dst_shard, box.shift(reg.dst_origin), box.numel * spec.itemsize,
                 )
                 if reg.local:
                     local.append(t)
@@ -353,7 +353,7 @@ def route(old: Layout, new: Layout, processes: Iterable[int] | None = None) -> R
     """Every transfer from ``old`` to ``new`` (or only those that touch ``processes``), in a fixed order."""
     table = route_table(old, new)
     procs = sorted(set(old.processes) | set(new.processes)) if processes is None else sorted(set(processes))
-    sends, local = [], []
+    wire, local = [], []
     seen = set()
     for p in procs:
         s, r, l = table.transfers(p)
@@ -361,7 +361,7 @@ def route(old: Layout, new: Layout, processes: Iterable[int] | None = None) -> R
             key = (t.src, t.dst, t.state, t.dst_shard, t.dst_box.lo)
             if key not in seen:
                 seen.add(key)
-                sends.append(t)
+                wire.append(t)
         local += l
     order = lambda t: (t.src, t.dst, table.old.state_index(t.state), t.dst_shard, t.dst_box.lo)
-    return Routing(tuple(sorted(sends, key=order)), tuple(sorted(local, key=order)))
+    return Routing(tuple(sorted(wire, key=order)), tuple(sorted(local, key=order)))

@@ -37,6 +37,7 @@ from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
 Slice = tuple[int, int, int, int]  # (src, dst, stream offset, bytes)
+MAX_ROUNDS = 100_000  # beyond this a budget is a typo (bytes for MiB), not a plan anyone wants to run
 
 
 def min_budget(pair_bytes: dict) -> int:
@@ -74,6 +75,12 @@ def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ..
     for (s, d), t in zip(pairs, total):
         load[s] = load.get(s, 0) + t
         load[d] = load.get(d, 0) + t
+    busiest = max(load.values(), default=0)
+    if -(-busiest // budget) > MAX_ROUNDS:
+        raise ValueError(
+            f"a staging budget of {budget} bytes needs at least {-(-busiest // budget)} rounds for a rank that "
+            f"moves {busiest} bytes; give a budget of at least {-(-busiest // MAX_ROUNDS)} bytes"
+        )
     offset = [0] * len(pairs)
     active = list(range(len(pairs)))
     rounds = []
@@ -143,8 +150,8 @@ class RankPlan:
     sends: tuple[tuple[Message, ...], ...]
     recvs: tuple[tuple[Message, ...], ...]
     local_copies: tuple[tuple[Transfer, ...], ...]
-    release_round: dict = field(compare=True)
-    alloc_round: dict = field(compare=True)
+    release_round: dict
+    alloc_round: dict
 
     def staging_bytes(self, k: int) -> int:
         return sum(m.nbytes for m in self.sends[k]) + sum(m.nbytes for m in self.recvs[k])

@@ -43,7 +43,10 @@ class DynaTrainStrategy(ModelParallelStrategy):
         sequence_parallel: shard activations along the sequence between TP regions.
         param_dtype: FSDP2 mixed precision: dtype parameters are gathered in (``"bfloat16"``), or None.
         reduce_dtype: FSDP2 mixed precision: dtype of the gradient reduce-scatter.
-        verify_switches: check every layout switch bitwise.
+        verify_switches: check every layout switch bitwise (per-state checksums before and after).
+        switch_budget_mb: staging memory per rank for a layout switch (send + receive buffers of one round).
+        rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire)
+            or ``"identity"``.
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
     """
 
@@ -56,6 +59,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         param_dtype: str | None = None,
         reduce_dtype: str | None = "float32",
         verify_switches: bool = False,
+        switch_budget_mb: float = 256.0,
+        rank_map: str = "optimal",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -71,7 +76,17 @@ class DynaTrainStrategy(ModelParallelStrategy):
         reduce = _dtype(reduce_dtype, "reduce_dtype")
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce) if param is not None else None
         self.verify_switches = verify_switches
+        if switch_budget_mb <= 0:
+            raise ValueError(f"switch_budget_mb must be positive, got {switch_budget_mb}")
+        self.switch_budget_bytes = int(switch_budget_mb * 2**20)
+        if rank_map not in ("optimal", "identity"):
+            raise ValueError(f"rank_map={rank_map!r}: use 'optimal' or 'identity'")
+        self.rank_map = rank_map
         self.parallel_config: ParallelConfig | None = None
+        # positions[i] is the process at mesh position i (default order (r*S + s)*T + t); a switch may permute it.
+        self.positions: list[int] | None = None
+        self.switch_reports: list = []
+        self._switcher = None
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
@@ -112,6 +127,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()
         self.parallel_config = self._resolve_layout()
+        self.positions = list(range(self.parallel_config.world_size))
         self._device_mesh = self._build_mesh(self.parallel_config)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -124,13 +140,17 @@ class DynaTrainStrategy(ModelParallelStrategy):
         return mesh
 
     # ---- model --------------------------------------------------------------------------------------------
-    def parallelize(self, model: Transformer) -> Transformer:
-        """Apply TP and FSDP to a dynatrain Transformer for the current layout (meta or materialised)."""
-        assert self.parallel_config is not None
+    def parallelize(
+        self, model: Transformer, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
+    ) -> Transformer:
+        """Apply TP and FSDP to a dynatrain Transformer for a layout (default: the current one)."""
+        mesh = mesh or self.device_mesh
+        pcfg = pcfg or self.parallel_config
+        assert pcfg is not None
         return parallelize_model(
             model,
-            self.device_mesh["tp"],
-            dp_submesh(self.device_mesh, self.parallel_config),
+            mesh["tp"],
+            dp_submesh(mesh, pcfg),
             mp_policy=self.mp_policy,
             sequence_parallel=self.sequence_parallel,
         )
@@ -147,6 +167,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.model_to_device()
         self.barrier()
         self._set_accumulation(trainer)
+        self._install_switcher(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -168,3 +189,26 @@ class DynaTrainStrategy(ModelParallelStrategy):
         datamodule = getattr(trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "accumulation_for"):
             trainer.accumulate_grad_batches = datamodule.accumulation_for(self.dp_size)
+
+    # ---- layout switches ----------------------------------------------------------------------------------
+    def _install_switcher(self, trainer: Trainer) -> None:
+        from dynatrain.strategies.switcher import Switcher
+
+        if self._switcher is None:
+            self._switcher = Switcher(self)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._switcher.attach(trainer)
+
+    def request_switch(self, target: str | ParallelConfig) -> ParallelConfig:
+        """Switch to ``target`` at the next optimizer-step boundary (now, if training is at one).
+
+        The target is checked at once: a layout that does not fit the devices or the model, or whose
+        data-parallel size cannot keep the global batch, raises ValueError and nothing changes.
+        Every rank must make the same request.
+        """
+        return self._switcher.request(target)
+
+    def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None, budget_mb: float | None = None):
+        """Move model and optimizer state to the layout ``target`` now. Only at an optimizer-step boundary;
+        every rank calls it with the same arguments. Returns a `SwitchReport`."""
+        return self._switcher.switch(target, rank_map=rank_map, budget_mb=budget_mb)

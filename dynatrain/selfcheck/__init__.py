@@ -1,0 +1,1 @@
+"""`dynatrain selfcheck`: train with layout switches and check every switch against an independent oracle."""
