@@ -19,7 +19,7 @@ from dynatrain.vps.parallel_config import ParallelConfig
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from engine_worker import fill_local  # noqa: E402
 
-CONST = 4096  # slack of the peak bound: alignment padding of the staging slots
+ALIGN = 16  # the engine pads each message slot of the staging buffer to this many bytes
 
 
 def _states():
@@ -89,12 +89,15 @@ def test_engine_random_switches(tmp_path, nprocs, cases):
             st = res.get("stats")
             if st is None:
                 continue  # this process takes no part in that switch
-            assert st["staging_bytes"] <= res["budget"] + CONST
+            # The staging buffer: the budget plus < ALIGN bytes of padding per message (one per ordered pair).
+            assert st["staging_bytes"] <= res["budget"] + ALIGN * 2 * (nprocs - 1)
             # Hard: sources and destinations never coexist beyond their sum (plus one staging buffer).
             assert st["peak_bytes"] <= st["src_bytes"] + st["dst_bytes"] + st["staging_bytes"], res
-            # What the engine reaches on these plans: the bound plus one local tensor (a state is one
-            # tensor, allocated whole; the rest of any overshoot comes from the plan's round order).
-            bound = max(st["src_bytes"], st["dst_bytes"]) + res["budget"] + res["max_state_bytes"] + CONST
+            # The bound with C = the largest single local tensor: a state is one tensor, allocated whole
+            # at its first piece, and its local copies need its source and destination at once. Streams walk
+            # the states in one order and a rank's streams progress together, so at most about one state is
+            # half-moved at a time (exact when every state shrinks or grows by the same factor on a rank).
+            bound = max(st["src_bytes"], st["dst_bytes"]) + st["staging_bytes"] + res["max_state_bytes"]
             assert st["peak_bytes"] <= bound, res
             multi_round += res["rounds"] > 2
             moved += st["bytes_sent"]

@@ -75,7 +75,7 @@ def compare(
     group=None,
 ) -> list[str]:
     """All-reduce both checksum vectors and return the names of the states that differ (empty: bitwise equal)."""
-    both = torch.tensor(old_sums + new_sums, dtype=torch.int64, device=device)
+    both = torch.tensor([_wrap(x) for x in (*old_sums, *new_sums)], dtype=torch.int64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
     n = len(old_sums)

@@ -85,7 +85,9 @@ def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ..
     active = list(range(len(pairs)))
     rounds = []
     while active:
-        active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]), pairs[i]))
+        # Busiest rank first; among equals the pair furthest behind in its stream (in 1/1024ths), so that a
+        # rank's streams walk through the states together and a state is not half-moved for long.
+        active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]), (offset[i] << 10) // total[i], pairs[i]))
         room: dict[int, int] = {}
         taken = []
         for i in active:
@@ -322,6 +324,27 @@ def _pair_slices(plan: SwitchPlan) -> dict[tuple[int, int], list[tuple[int, int,
     return index
 
 
+def _local_bytes(layout: Layout, state: str, process: int) -> int:
+    held = layout.shards(state, process)
+    return 0 if held is None else held.numel * layout.state(state).itemsize
+
+
+def _copy_round(last_send: int | None, first_recv: int | None, n_rounds: int, src_bytes: int, dst_bytes: int) -> int:
+    """The round of a state's local copies. The source tensor lives until max(last send, copy round), the
+    destination from min(first receive, copy round); pick the round (among 0, the last send, the first
+    receive and the last round) that holds the fewest byte-rounds, earliest on ties. So a shrinking state
+    swaps early, a growing one late, and a copy between the state's sends and receives costs nothing."""
+    end = n_rounds  # destinations live to the end of the switch
+    s = -1 if last_send is None else last_send
+    r = end if first_recv is None else first_recv
+
+    def cost(c: int) -> int:
+        return src_bytes * (max(s, c) + 1) + dst_bytes * (end - min(r, c))
+
+    options = sorted({0, n_rounds - 1, *(x for x in (last_send, first_recv) if x is not None)})
+    return min(options, key=lambda c: (cost(c), c))
+
+
 def _expand_rank(plan: SwitchPlan, rank: int) -> RankPlan:
     table = plan.table
     itemsize = {s.name: s.itemsize for s in table.old.states}
@@ -348,13 +371,24 @@ def _expand_rank(plan: SwitchPlan, rank: int) -> RankPlan:
         for m in msgs:
             for t in m.pieces:
                 first_recv.setdefault((t.state, t.dst_shard), k)
-    # A local copy runs as early as it can without keeping its source alive longer than its sends do.
+    # All local copies of a state run in one round, chosen per state (the engine allocates and frees whole
+    # local tensors): see `_copy_round`.
+    state_last_send: dict[str, int] = {}
+    for (name, _), k in last_send.items():
+        state_last_send[name] = max(state_last_send.get(name, k), k)
+    state_first_recv: dict[str, int] = {}
+    for (name, _), k in first_recv.items():
+        state_first_recv[name] = min(state_first_recv.get(name, k), k)
+    copy_round: dict[str, int] = {}
+    for t in local:
+        if t.state not in copy_round:
+            copy_round[t.state] = _copy_round(
+                state_last_send.get(t.state), state_first_recv.get(t.state), n_rounds,
+                _local_bytes(table.old, t.state, rank), _local_bytes(table.new, t.state, rank))
     copies: list[list[Transfer]] = [[] for _ in range(n_rounds)]
     copy_rounds: list[tuple[Transfer, int]] = []
     for t in local:
-        options = [r for r in (last_send.get((t.state, t.src_shard)), first_recv.get((t.state, t.dst_shard)))
-                   if r is not None]
-        k = min(options) if options else 0
+        k = copy_round[t.state]
         copies[k].append(t)
         copy_rounds.append((t, k))
     release: dict[tuple[str, int], int] = {}

@@ -4,7 +4,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import warnings
 
 import lightning.pytorch as pl
@@ -17,18 +16,37 @@ from dynatrain.llama_lm import LlamaLM
 warnings.filterwarnings("ignore")
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 class Script(pl.Callback):
-    """Request layout ``layouts[i]`` when step ``steps[i]`` has finished."""
+    """Request layout ``layouts[i]`` at the first micro-batch after step ``steps[i]`` (with gradient
+    accumulation that is mid-step: the strategy must wait for the boundary). Bad requests must raise."""
 
-    def __init__(self, plan: list[tuple[int, str]]):
+    def __init__(self, plan: list[tuple[int, str]], bad: list[tuple[int, str]]):
         self.plan = dict(plan)
-        self.rss = []
+        self.bad = list(bad)
+        self.errors: list[str] = []
+        self.requested_at: list[tuple[int, int]] = []
+        self.rss: list[int] = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step
+        for when, layout in [b for b in self.bad if b[0] == step]:
+            self.bad.remove((when, layout))
+            try:
+                trainer.strategy.request_switch(layout)
+            except ValueError as e:
+                self.errors.append(str(e))
         if step in self.plan:
             trainer.strategy.request_switch(self.plan.pop(step))
-            self.rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            self.requested_at.append((step, batch_idx))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if len(trainer.strategy.switch_reports) > len(self.rss):
+            self.rss.append(rss_bytes())
 
 
 def main() -> None:
@@ -36,18 +54,22 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layout", required=True)
     ap.add_argument("--switches", default="", help="step:layout;step:layout")
+    ap.add_argument("--bad", default="", help="step:layout;... requests that must be refused")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--budget-mb", type=float, default=0.25)
     ap.add_argument("--n-layers", type=int, default=2)
     args = ap.parse_args()
-    plan = [(int(s.split(":")[0]), s.split(":", 1)[1]) for s in args.switches.split(";") if s]
+    def parse(text):
+        return [(int(s.split(":")[0]), s.split(":", 1)[1]) for s in text.split(";") if s]
+
+    plan, bad = parse(args.switches), parse(args.bad)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
     strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, verify_switches=True,
                                            switch_budget_mb=args.budget_mb)
-    script = Script(plan)
+    script = Script(plan, bad)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -64,7 +86,9 @@ def main() -> None:
         "accumulation": trainer.accumulate_grad_batches,
         "global_step": trainer.global_step,
         "consumed_samples": data.consumed_samples,
-        "rss_kb": script.rss,
+        "rss": script.rss,
+        "errors": script.errors,
+        "requested_at": script.requested_at,
     }
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -1,0 +1,304 @@
+"""One rank of `bench/switch.py`: train, switch layouts at step boundaries, measure each switch against the raw
+point-to-point bandwidth of the same pairs and against a naive all-gather-and-slice baseline.
+
+Writes this rank's JSON to ``--out``. Nothing here changes dynatrain: the engine's `TransitionStats` (which the
+`SwitchReport` does not carry) are captured by wrapping `run_transition` where the switcher looks it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import dynatrain
+import dynatrain.strategies.switcher as switcher_mod
+from dynatrain.data import LlamaDataModule
+from dynatrain.engine.transition import torch_dtype
+from dynatrain.llama_lm import LlamaLM
+from dynatrain.models.parallelize import mesh_safe
+from dynatrain.planner.schedule import plan_switch
+from dynatrain.strategies.switch import ADAM_MOMENTS, collect_sources, state_specs
+from dynatrain.vps.layout import Layout
+from dynatrain.vps.parallel_config import ParallelConfig
+
+warnings.filterwarnings("ignore")
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------- memory (RSS)
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_mark() -> int:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS and return the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def rss_peak() -> int:
+    return _status("VmHWM")
+
+
+# ---------------------------------------------------------------------------------------------- engine capture
+CAPTURE: dict = {}
+_orig_run_transition = switcher_mod.run_transition
+
+
+def _captured_run_transition(plan, rank, src, **kw):
+    t0 = time.perf_counter()
+    dist.barrier()  # ranks finish `build` at different times; the skew is reported, not counted as transfer
+    CAPTURE["barrier_wait_s"] = time.perf_counter() - t0
+    rss0 = rss_mark()
+    dst, stats = _orig_run_transition(plan, rank, src, **kw)
+    CAPTURE["rss_before"] = rss0
+    CAPTURE["rss_peak"] = rss_peak()
+    CAPTURE["plan"] = plan
+    CAPTURE["stats"] = stats.as_dict()
+    return dst, stats
+
+
+switcher_mod.run_transition = _captured_run_transition
+
+
+# ---------------------------------------------------------------------------------------------- raw bandwidth
+def pair_bytes(plan) -> dict[tuple[int, int], int]:
+    out: dict[tuple[int, int], int] = {}
+    for rnd in plan.traffic:
+        for s, d, _, n in rnd:
+            out[(s, d)] = out.get((s, d), 0) + n
+    return out
+
+
+def raw_exchange(pairs: dict[tuple[int, int], int], rank: int, chunk: int, repeats: int) -> list[float]:
+    """The same bytes between the same ordered pairs, all posted at once in one `batch_isend_irecv`, each pair's
+    bytes as messages of at most ``chunk`` bytes, from/to preallocated, pre-touched buffers. Seconds per repeat
+    (barrier to the last wait on this rank)."""
+    sends = {d: n for (s, d), n in pairs.items() if s == rank}
+    recvs = {s: n for (s, d), n in pairs.items() if d == rank}
+    sbuf = {d: torch.ones(n, dtype=torch.uint8) for d, n in sends.items()}
+    rbuf = {s: torch.zeros(n, dtype=torch.uint8) for s, n in recvs.items()}
+    times = []
+    for _ in range(repeats):
+        ops = []
+        for d in sorted(sbuf):
+            b = sbuf[d]
+            for o in range(0, b.numel(), chunk):
+                ops.append(dist.P2POp(dist.isend, b[o:o + chunk], peer=d))
+        for s in sorted(rbuf):
+            b = rbuf[s]
+            for o in range(0, b.numel(), chunk):
+                ops.append(dist.P2POp(dist.irecv, b[o:o + chunk], peer=s))
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        for w in works:
+            w.wait()
+        times.append(time.perf_counter() - t0)
+        del works, ops
+    del sbuf, rbuf
+    return times
+
+
+def schedule_replay(plan, rank: int, repeats: int) -> list[float]:
+    """The engine's own rounds and messages (same sizes, same pairs, one batch per round) on one preallocated
+    staging buffer, without packing, local copies or unpacking: the wire cost of the schedule alone."""
+    rp = plan.rank_plan(rank)
+    size = max([rp.staging_bytes(k) for k in range(rp.num_rounds)] or [0])
+    staging = torch.ones(size + 16 * 64, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k in range(rp.num_rounds):
+            ops, pos = [], 0
+            for m in rp.sends[k]:
+                ops.append(dist.P2POp(dist.isend, staging[pos:pos + m.nbytes], peer=m.dst))
+                pos += m.nbytes
+            for m in rp.recvs[k]:
+                ops.append(dist.P2POp(dist.irecv, staging[pos:pos + m.nbytes], peer=m.src))
+                pos += m.nbytes
+            for w in (dist.batch_isend_irecv(ops) if ops else []):
+                w.wait()
+        times.append(time.perf_counter() - t0)
+    del staging
+    return times
+
+
+# ---------------------------------------------------------------------------------------------- naive baseline
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous()
+    return hashlib.sha1(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+def naive_switch(strategy, module, target: str, budget_mb: float) -> tuple[dict, dict[str, str]]:
+    """All-gather every parameter and Adam moment (`DTensor.full_tensor()`), slice this rank's shard of the
+    target layout, drop the full tensor. Returns (figures, digest per state of the result)."""
+    rank = strategy.global_rank
+    model, opt = module.model, strategy.optimizers[0]
+    target_cfg = ParallelConfig.parse(target)
+    specs = state_specs(model, opt)
+    old_layout = Layout.from_config(specs, strategy.parallel_config, rank_map=strategy.positions)
+    plan = plan_switch(old_layout, target_cfg, rank_map=strategy.rank_map, budget_bytes=int(budget_mb * MiB))
+    if not mesh_safe(plan.new.rank_map, target_cfg):
+        plan = plan_switch(old_layout, target_cfg, rank_map="identity", budget_bytes=int(budget_mb * MiB))
+    new = plan.new  # the same target positions the engine will use, so the results can be compared
+    src = collect_sources(model, opt)
+    src_bytes = sum(t.numel() * t.element_size() for t in src.values())
+    del src
+    gc.collect()
+    dist.barrier()
+    rss0 = rss_mark()
+    live = peak = src_bytes
+    out: dict[str, torch.Tensor] = {}
+    t_gather = t_slice = 0.0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            tensors = [(pname, p.detach())] + [(f"{pname}.{m}", opt.state[p][m]) for m in ADAM_MOMENTS]
+            for sname, t in tensors:
+                a = time.perf_counter()
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                b = time.perf_counter()
+                full_bytes = full.numel() * full.element_size()
+                peak = max(peak, live + full_bytes)
+                sh = new.shards(sname, rank)
+                res = torch.empty(sh.local_shape, dtype=torch_dtype(str(full.dtype).removeprefix("torch.")))
+                for box, off in zip(sh.boxes, sh.offsets):
+                    res[tuple(slice(o, o + n) for o, n in zip(off, box.shape))].copy_(full[box.slices()])
+                live += res.numel() * res.element_size()
+                out[sname] = res
+                del full
+                t_gather += b - a
+                t_slice += time.perf_counter() - b
+    seconds = time.perf_counter() - t0
+    rss = rss_peak()
+    dst_bytes = live - src_bytes
+    digests = {k: _tensor_digest(v) for k, v in out.items()}
+    del out
+    gc.collect()
+    figures = {
+        "seconds": seconds, "seconds_gather": t_gather, "seconds_slice": t_slice, "peak_bytes": peak,
+        "src_bytes": src_bytes, "dst_bytes": dst_bytes, "rss_before": rss0, "rss_peak": rss,
+    }
+    return figures, digests
+
+
+# ---------------------------------------------------------------------------------------------- the script
+class SwitchBench(pl.Callback):
+    def __init__(self, events: list[tuple[str, float, bool]], steps_between: int, raw_repeats: int, chunk: int):
+        self.events = events  # (target, budget MiB, run the naive baseline first)
+        self.steps_between = steps_between
+        self.raw_repeats = raw_repeats
+        self.chunk = chunk
+        self.results: list[dict] = []
+        self.step_times: list[float] = []
+        self._last = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        step = trainer.global_step
+        if not strategy._switcher.at_boundary():
+            return
+        now = time.perf_counter()
+        if self._last is not None and self._last[0] != step:
+            self.step_times.append(now - self._last[1])
+        self._last = (step, now)
+        done = len(self.results)
+        if done >= len(self.events) or step != (done + 1) * self.steps_between:
+            return
+        target, budget, with_naive = self.events[done]
+        rank = strategy.global_rank
+        entry: dict = {"step": step, "budget_mb": budget}
+        digests = None
+        if with_naive:
+            entry["naive"], digests = naive_switch(strategy, pl_module, target, budget)
+        gc.collect()
+        t0 = time.perf_counter()
+        dist.barrier()
+        entry["pre_barrier_wait_s"] = time.perf_counter() - t0
+        CAPTURE.clear()
+        report = strategy.switch(target, budget_mb=budget)
+        entry["report"] = report.as_dict()
+        entry["engine"] = CAPTURE["stats"]
+        entry["barrier_wait_s"] = CAPTURE["barrier_wait_s"]
+        entry["rss_before"], entry["rss_peak"] = CAPTURE["rss_before"], CAPTURE["rss_peak"]
+        plan = CAPTURE.pop("plan")
+        if digests is not None:
+            mine = {k: _tensor_digest(v) for k, v in collect_sources(pl_module.model, strategy.optimizers[0]).items()}
+            entry["naive"]["matches_engine"] = mine == digests
+        pairs = pair_bytes(plan)
+        entry["pairs"] = {f"{s}->{d}": n for (s, d), n in sorted(pairs.items())}
+        entry["bytes_moved_plan"] = plan.bytes_moved
+        gc.collect()
+        entry["raw_seconds"] = raw_exchange(pairs, rank, self.chunk, self.raw_repeats)
+        entry["replay_seconds"] = schedule_replay(plan, rank, self.raw_repeats)
+        del plan
+        gc.collect()
+        self.results.append(entry)
+        self._last = (step, time.perf_counter())  # the next step's time excludes the switch and the measurements
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="125m")
+    ap.add_argument("--source", default="dp_shard=4")
+    ap.add_argument("--target", default="dp_shard=2,tp=2")
+    ap.add_argument("--budgets", default="64", help="MiB, comma separated: one switch there and back per budget")
+    ap.add_argument("--naive-budget", type=float, default=64.0, help="run the naive baseline before this pair")
+    ap.add_argument("--steps-between", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--raw-repeats", type=int, default=2)
+    ap.add_argument("--chunk-mb", type=float, default=64.0)
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    budgets = [float(b) for b in args.budgets.split(",")]
+    events = []
+    for b in budgets:
+        naive = b == args.naive_budget
+        events += [(args.target, b, naive), (args.source, b, naive)]
+    pl.seed_everything(1234, verbose=False)
+    dp0 = ParallelConfig.parse(args.source).dp_size
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.source, switch_budget_mb=budgets[0], verify_switches=False)
+    bench = SwitchBench(events, args.steps_between, args.raw_repeats, int(args.chunk_mb * MiB))
+    steps = args.steps_between * (len(events) + 1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+                         callbacks=[bench])
+    module = LlamaLM(model=args.model, lr=1e-3, warmup_steps=2)
+    data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp0,
+                           micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
+    trainer.fit(module, datamodule=data)
+    with open(args.out, "w") as f:
+        json.dump({"rank": strategy.global_rank, "losses": module.step_losses, "step_times": bench.step_times,
+                   "switches": bench.results}, f)
+    del trainer, module, strategy, bench
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Online layout switches on a fixed world of CPU ranks (gloo)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _launch import launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+SEQUENCE = "dp_shard=4 > dp_shard=2,tp=2 > tp=4 > dp_replicate=2,dp_shard=2 > dp_shard=4"
+
+
+def test_selfcheck_every_switch_equals_the_dcp_oracle():
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--model", "debug", "--devices", "4", "--n-layers", "2",
+           "--switches", SEQUENCE, "--steps-between", "2", "--budget-mb", "1", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    pairs = [(s["from"], s["to"]) for s in result["switches"]]
+    assert pairs == [("dp_shard=4", "dp_shard=2,tp=2"), ("dp_shard=2,tp=2", "tp=4"),
+                     ("tp=4", "dp_replicate=2,dp_shard=2"), ("dp_replicate=2,dp_shard=2", "dp_shard=4")]
+    assert all(s["bitwise_equal"] is True for s in result["switches"])
+    assert result["loss_max_rel_diff"] <= 1e-5
+    assert len(result["losses"]) == 10
+    # A budget of 1 MiB forces many rounds; bytes leave the process only when they change owner.
+    assert result["switches"][0]["bytes_moved"] > 0 and result["switches"][3]["bytes_moved"] == 0
+
+
+def test_bad_requests_are_refused_and_a_mid_step_request_waits(tmp_path):
+    # A global batch of 6 with micro-batch 1: dp_shard=2,tp=2 accumulates 3 micro-batches per step, tp=4
+    # accumulates 6, and dp_shard=4 (4 data-parallel ranks) cannot keep a global batch of 6.
+    common = ["--layout", "dp_shard=2,tp=2", "--steps", "4", "--global-batch", "6", "--micro-batch", "1"]
+    static = launch("switch.py", 4, common, tmp_path)
+    results = launch("switch.py", 4, [*common, "--switches", "2:tp=4",
+                                      "--bad", "1:dp_shard=4;1:tp=3;1:dp=4"], tmp_path)
+    for res, ref in zip(results, static):
+        errors = res["errors"]
+        assert len(errors) == 3, errors
+        assert "cannot switch to dp_shard=4: global_batch_size=6 is not a multiple of" in errors[0]
+        assert "needs dp_replicate*dp_shard*tp = 3 devices, but there are 4" in errors[1]
+        assert "cannot parse 'dp=4'" in errors[2]
+        # requested at the first micro-batch of step 3 (mid-accumulation): applied at the end of that step
+        assert res["requested_at"] == [[2, 6]]
+        assert [r["step"] for r in res["reports"]] == [3]
+        assert res["reports"][0]["verified"] is True
+        assert res["layout"] == "tp=4" and res["accumulation"] == 6
+        assert res["consumed_samples"] == ref["consumed_samples"] == 24
+        for a, b in zip(res["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_twenty_switches_do_not_grow_memory(tmp_path):
+    switches = ";".join(f"{k}:{'tp=2' if k % 2 else 'dp_shard=2'}" for k in range(1, 21))
+    (res, _) = launch("switch.py", 2, ["--layout", "dp_shard=2", "--steps", "21", "--global-batch", "2",
+                                       "--micro-batch", "1", "--switches", switches, "--budget-mb", "1"], tmp_path)
+    assert len(res["reports"]) == 20 and all(r["verified"] for r in res["reports"])
+    rss = res["rss"]
+    # After a few switches to warm allocator pools, RSS stays flat.
+    assert rss[-1] <= 1.05 * rss[4], [round(x / 2**20, 1) for x in rss]
