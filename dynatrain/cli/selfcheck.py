@@ -1,7 +1,9 @@
 """`dynatrain selfcheck`: train on CPU with a sequence of layout switches and check each one.
 
 Every switch is compared bitwise with an independent oracle (the pre-switch state saved with DCP and loaded
-into the target layout), and the losses with the same steps trained without switches.
+into the target layout); the oracle then trains the next step on the same micro-batches and its weights and
+moments must again equal the switched run's ("next step"). The losses are compared with the same steps trained
+without switches.
 """
 
 from __future__ import annotations
@@ -72,21 +74,24 @@ def run(args) -> int:
     diff = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("inf")) if len(a) == len(b) else float("inf")
     result = {
         "model": args.model, "devices": args.devices, "global_batch": batch,
-        "switches": [{k: s[k] for k in ("from", "to", "bitwise_equal", "bytes_moved", "seconds", "peak_bytes")}
+        "switches": [{k: s[k] for k in ("from", "to", "bitwise_equal", "step_after_equal", "bytes_moved", "seconds",
+                                        "peak_bytes")}
                      for s in switching[0]["switches"]],
         "loss_max_rel_diff": diff, "losses": a, "static_losses": b,
     }
-    ok = (len(result["switches"]) == len(layouts) - 1 and all(s["bitwise_equal"] for s in result["switches"])
+    ok = (len(result["switches"]) == len(layouts) - 1
+          and all(s["bitwise_equal"] and s["step_after_equal"] is not False for s in result["switches"])
           and diff <= LOSS_RTOL)
     result["ok"] = ok
     if args.json:
         print(json.dumps(result))
     else:
         print(f"selfcheck: model {args.model} on {args.devices} CPU processes, global batch {batch}")
-        print(f"{'from':<28} {'to':<28} {'bitwise':<8} {'MiB moved':>9} {'seconds':>8} {'peak MiB':>9}")
+        print(f"{'from':<28} {'to':<28} {'bitwise':<8} {'next step':<9} {'MiB moved':>9} {'seconds':>8} "
+              f"{'peak MiB':>9}")
         for s in result["switches"]:
-            print(f"{s['from']:<28} {s['to']:<28} {str(s['bitwise_equal']):<8} {s['bytes_moved'] / 2**20:>9.2f} "
-                  f"{s['seconds']:>8.3f} {s['peak_bytes'] / 2**20:>9.2f}")
+            print(f"{s['from']:<28} {s['to']:<28} {str(s['bitwise_equal']):<8} {str(s['step_after_equal']):<9} "
+                  f"{s['bytes_moved'] / 2**20:>9.2f} {s['seconds']:>8.3f} {s['peak_bytes'] / 2**20:>9.2f}")
         print(f"loss max relative difference against the run without switches: {diff:.2e} (tolerance {LOSS_RTOL})")
         print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch.nn.functional as F
 import torch.distributed as dist
 
 import dynatrain
@@ -26,8 +27,26 @@ class ScriptedSwitches(pl.Callback):
         self.workdir = workdir
         self.check = check
         self.results: list[dict] = []
+        self.shadow = None  # the oracle's model and optimizer, trained on the same micro-batches for one step
+
+    def _shadow_micro_batch(self, trainer, pl_module, batch) -> None:
+        model, optimizer, left = self.shadow
+        tokens, labels = batch
+        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+        (loss / trainer.accumulate_grad_batches).backward()
+        left -= 1
+        self.shadow = (model, optimizer, left)
+        if left:
+            return
+        optimizer.step()
+        self.results[-1]["step_after_equal"] = oracle.bitwise_equal(
+            pl_module.model, trainer.strategy.optimizers[0], model, optimizer, trainer.strategy.root_device)
+        self.shadow = None
+        gc.collect()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.shadow is not None:
+            self._shadow_micro_batch(trainer, pl_module, batch)
         strategy = trainer.strategy
         step = trainer.global_step
         done = len(self.results)
@@ -44,10 +63,12 @@ class ScriptedSwitches(pl.Callback):
             model, optimizer = oracle.load_into_layout(strategy, pl_module, ckpt)
             equal = oracle.bitwise_equal(pl_module.model, strategy.optimizers[0], model, optimizer,
                                          strategy.root_device)
+            if step < trainer.max_steps:
+                self.shadow = (model, optimizer, trainer.accumulate_grad_batches)
             del model, optimizer
-            gc.collect()
         self.results.append({
             "from": report.old_layout, "to": report.new_layout, "step": step, "bitwise_equal": equal,
+            "step_after_equal": None,
             "bytes_moved": report.bytes_moved, "bytes_moved_identity": report.bytes_moved_identity,
             "bytes_total": report.bytes_total, "seconds": report.stall_s, "phases": report.phases,
             "peak_bytes": report.peak_bytes, "peak_bound": report.peak_bound,
