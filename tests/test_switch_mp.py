@@ -22,6 +22,8 @@ def test_selfcheck_every_switch_equals_the_dcp_oracle():
     assert pairs == [("dp_shard=4", "dp_shard=2,tp=2"), ("dp_shard=2,tp=2", "tp=4"),
                      ("tp=4", "dp_replicate=2,dp_shard=2"), ("dp_replicate=2,dp_shard=2", "dp_shard=4")]
     assert all(s["bitwise_equal"] is True for s in result["switches"])
+    # the oracle, trained on the same micro-batches for one more step, still equals the switched run
+    assert all(s["step_after_equal"] is True for s in result["switches"])
     assert result["loss_max_rel_diff"] <= 1e-5
     assert len(result["losses"]) == 10
     # A budget of 1 MiB forces many rounds; bytes leave the process only when they change owner.

@@ -48,7 +48,8 @@ def min_budget(pair_bytes: dict) -> int:
 def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ...]:
     """Rounds of slices such that no rank's sent + received bytes in a round exceed ``budget``.
 
-    Greedy per round: pairs are taken busiest-rank first (ties by ids), each gets as much of its stream as
+    Greedy per round: pairs are taken busiest-rank first (ties: the pair furthest behind in its stream, then
+    ids, so one rank's streams progress together through the states), each gets as much of its stream as
     both ends still have room for, cut at an element boundary. The first pair of a round always advances
     by at least one element, so the loop ends. Integers only, so every rank gets the same rounds.
     """
@@ -87,7 +88,8 @@ def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ..
     while active:
         # Busiest rank first; among equals the pair furthest behind in its stream (in 1/1024ths), so that a
         # rank's streams walk through the states together and a state is not half-moved for long.
-        active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]), (offset[i] << 10) // total[i], pairs[i]))
+        active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]),
+                                   (offset[i] << 10) // total[i], pairs[i]))
         room: dict[int, int] = {}
         taken = []
         for i in active:
@@ -329,7 +331,8 @@ def _local_bytes(layout: Layout, state: str, process: int) -> int:
     return 0 if held is None else held.numel * layout.state(state).itemsize
 
 
-def _copy_round(last_send: int | None, first_recv: int | None, n_rounds: int, src_bytes: int, dst_bytes: int) -> int:
+def _copy_round(last_send: int | None, first_recv: int | None, n_rounds: int,
+                src_bytes: int, dst_bytes: int) -> int:
     """The round of a state's local copies. The source tensor lives until max(last send, copy round), the
     destination from min(first receive, copy round); pick the round (among 0, the last send, the first
     receive and the last round) that holds the fewest byte-rounds, earliest on ties. So a shrinking state
