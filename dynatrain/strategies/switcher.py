@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from dynatrain.engine.transition import run_transition, validate_sources
@@ -36,23 +35,6 @@ from dynatrain.vps.parallel_config import ParallelConfig
 
 if TYPE_CHECKING:
     from dynatrain.strategies.dynatrain import DynaTrainStrategy
-
-
-def _mesh_groups(mesh) -> dict[str, object]:
-    groups = {}
-    views = [mesh] + [mesh[name] for name in ("data_parallel", "tensor_parallel")]
-    for view in views:
-        for group in view.get_all_groups():
-            groups[group.group_name] = group
-    return groups
-
-
-def _release_groups(old_mesh, new_mesh) -> None:
-    """Destroy the old mesh's process groups (sockets, threads) that the new mesh does not share."""
-    keep = _mesh_groups(new_mesh)
-    for name, group in _mesh_groups(old_mesh).items():
-        if name not in keep and group is not dist.group.WORLD:
-            dist.destroy_process_group(group)
 
 
 class _BoundaryHook(pl.Callback):
@@ -163,7 +145,6 @@ class Switcher:
         timer.lap("plan")
 
         positions = list(plan.new.rank_map)
-        old_mesh = strategy.device_mesh
         new_mesh = strategy._build_mesh(target, ranks=positions)
         with torch.device("meta"):
             new_model = Transformer(model.config)
@@ -202,8 +183,6 @@ class Switcher:
         self._move_data(target)
         timer.lap("adopt")
 
-        _release_groups(old_mesh, new_mesh)
-        del old_mesh
         verified = None
         if old_sums is not None:
             new_opt = strategy.optimizers[0] if strategy.optimizers else None

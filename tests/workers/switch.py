@@ -4,7 +4,6 @@ import argparse
 import gc
 import json
 import os
-import threading
 import warnings
 
 import lightning.pytorch as pl
@@ -32,8 +31,6 @@ class Script(pl.Callback):
         self.errors: list[str] = []
         self.requested_at: list[tuple[int, int]] = []
         self.rss: list[int] = []
-        self.fds: list[int] = []
-        self.threads: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step
@@ -50,8 +47,6 @@ class Script(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if len(trainer.strategy.switch_reports) > len(self.rss):
             self.rss.append(rss_bytes())
-            self.fds.append(len(os.listdir("/proc/self/fd")))
-            self.threads.append(threading.active_count() + len(os.listdir("/proc/self/task")))
 
 
 def main() -> None:
@@ -92,8 +87,6 @@ def main() -> None:
         "global_step": trainer.global_step,
         "consumed_samples": data.consumed_samples,
         "rss": script.rss,
-        "fds": script.fds,
-        "threads": script.threads,
         "errors": script.errors,
         "requested_at": script.requested_at,
     }
