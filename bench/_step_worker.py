@@ -1,17 +1,15 @@
 """One rank of the step-time benchmark: LlamaLM under a given strategy, writes its optimizer-step times."""
 
 import argparse
-import gc
-import json
 import os
 import time
 import warnings
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import dynatrain
+from dynatrain.launcher import finish_rank
 from dynatrain.data import LlamaDataModule
 from dynatrain.llama_lm import LlamaLM
 
@@ -53,12 +51,9 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=2_000_000)
     trainer.fit(LlamaLM(model=args.model, warmup_steps=2), datamodule=data)
-    with open(args.out, "w") as f:
-        json.dump({"step_times": [b - a for a, b in zip(clock.times, clock.times[1:])]}, f)
+    result = {"step_times": [b - a for a, b in zip(clock.times, clock.times[1:])]}
     del trainer, strategy
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(args.out, result)
 
 
 if __name__ == "__main__":

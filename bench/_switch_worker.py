@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import os
 import time
 import warnings
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dynatrain
+from dynatrain.launcher import finish_rank
 import dynatrain.strategies.switcher as switcher_mod
 from dynatrain.data import LlamaDataModule
 from dynatrain.engine.transition import torch_dtype
@@ -290,14 +290,10 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp0,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
     trainer.fit(module, datamodule=data)
-    with open(args.out, "w") as f:
-        json.dump({"rank": strategy.global_rank, "losses": module.step_losses, "step_times": bench.step_times,
-                   "switches": bench.results}, f)
+    result = {"rank": strategy.global_rank, "losses": module.step_losses, "step_times": bench.step_times,
+                   "switches": bench.results}
     del trainer, module, strategy, bench
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_rank(args.out, result)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import os
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from dynatrain.launcher import teardown_distributed
+
 
 def run_lightning_cli(argv: list[str]) -> int:
     import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
@@ -31,18 +33,6 @@ def run_lightning_cli(argv: list[str]) -> int:
             where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
             rank_zero_info(f"{type(logger).__name__} logs: {os.path.abspath(where)}" if where else "")
     del cli, trainer
-    _teardown_distributed()
+    teardown_distributed()
     return 0
 
-
-def _teardown_distributed() -> None:
-    # torch 2.13 aborts about 1 in 10 DTensor programs at interpreter exit unless the DTensors are gone and the
-    # group is destroyed first.
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

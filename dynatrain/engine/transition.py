@@ -239,7 +239,6 @@ def run_transition(
             uses[t.state] += 1
 
     live = _Live()
-    owned: dict[str, torch.Tensor] = {}  # sources the engine holds (popped from `src` as it goes)
     for name in src_shards:
         t = src.get(name)
         if t is not None:

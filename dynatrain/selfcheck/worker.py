@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import warnings
@@ -12,9 +11,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch.nn.functional as F
-import torch.distributed as dist
 
 import dynatrain
+from dynatrain.launcher import finish_rank
 from dynatrain.data import LlamaDataModule
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.selfcheck import oracle
@@ -107,13 +106,9 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
     trainer.fit(module, datamodule=data)
-    with open(args.out, "w") as f:
-        json.dump({"losses": module.step_losses, "switches": script.results}, f)
+    result = {"losses": module.step_losses, "switches": script.results}
     del trainer, module, strategy
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_rank(args.out, result)
     if int(os.environ.get("RANK", "0")) == 0:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -1,15 +1,13 @@
 """One rank of a training run that switches layouts at given steps; writes losses and switch reports."""
 
 import argparse
-import gc
-import json
 import os
 import warnings
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 
 import dynatrain
+from dynatrain.launcher import finish_rank
 from dynatrain.data import LlamaDataModule
 from dynatrain.llama_lm import LlamaLM
 
@@ -90,13 +88,8 @@ def main() -> None:
         "errors": script.errors,
         "requested_at": script.requested_at,
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f)
     del trainer, module, strategy
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_rank(args.out, result)
 
 
 if __name__ == "__main__":

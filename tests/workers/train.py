@@ -1,16 +1,13 @@
 """One rank of a short training run under strategy="dynatrain"; writes its step losses as JSON."""
 
 import argparse
-import gc
-import json
 import os
 import warnings
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 
 import dynatrain
+from dynatrain.launcher import finish_rank
 from dynatrain.data import LlamaDataModule
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.models.llama import Transformer
@@ -78,14 +75,8 @@ def main() -> None:
         "accumulation": trainer.accumulate_grad_batches,
         "global_step": trainer.global_step,
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f)
-    # Drop DTensors before tearing the group down: torch 2.13 otherwise aborts some runs at exit.
     del trainer, module, strategy
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_rank(args.out, result)
 
 
 if __name__ == "__main__":
