@@ -117,8 +117,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
     def _resolve_layout(self) -> ParallelConfig:
         world = self.world_size
         if self._parallel_request == "auto":
-            # Pure FSDP is the best layout for the small models a single host trains; the layout planner
-            # refines this for large models.
+            # Pure FSDP: the fastest layout for models whose shards fit the devices; large models pin `parallel=`.
             pcfg = ParallelConfig(dp_shard=world)
         else:
             pcfg = self._parallel_request
