@@ -61,3 +61,6 @@ def test_twenty_switches_do_not_grow_memory(tmp_path):
     rss = res["rss"]
     # After a few switches to warm allocator pools, RSS stays flat.
     assert rss[-1] <= 1.05 * rss[4], [round(x / 2**20, 1) for x in rss]
+    # Meshes are reused when a layout comes back: sockets and threads of process groups do not pile up.
+    assert res["fds"][-1] <= res["fds"][4], res["fds"]
+    assert res["threads"][-1] <= res["threads"][4], res["threads"]

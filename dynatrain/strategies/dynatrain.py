@@ -87,6 +87,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.positions: list[int] | None = None
         self.switch_reports: list = []
         self._switcher = None
+        self._meshes: dict[tuple, DeviceMesh] = {}
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
@@ -132,10 +133,19 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _build_mesh(self, pcfg: ParallelConfig, ranks=None) -> DeviceMesh:
-        mesh = init_mesh(pcfg, self.root_device.type, ranks)
-        # Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
-        mesh["dp_replicate", "dp_shard"]._flatten("data_parallel")
-        mesh["tp"]._flatten("tensor_parallel")
+        """The mesh of a layout and rank arrangement, built once per world and reused when a switch returns to it.
+
+        Reuse keeps the number of process groups bounded by the layouts visited; every rank takes the same
+        branch (the key is rank-identical), so group creation stays in step everywhere.
+        """
+        key = (pcfg, tuple(range(pcfg.world_size)) if ranks is None else tuple(int(r) for r in ranks))
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            mesh = init_mesh(pcfg, self.root_device.type, key[1])
+            # Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
+            mesh["dp_replicate", "dp_shard"]._flatten("data_parallel")
+            mesh["tp"]._flatten("tensor_parallel")
+            self._meshes[key] = mesh
         return mesh
 
     # ---- model --------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ class Script(pl.Callback):
         self.errors: list[str] = []
         self.requested_at: list[tuple[int, int]] = []
         self.rss: list[int] = []
+        self.fds: list[int] = []
+        self.threads: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step
@@ -45,6 +47,8 @@ class Script(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if len(trainer.strategy.switch_reports) > len(self.rss):
             self.rss.append(rss_bytes())
+            self.fds.append(len(os.listdir("/proc/self/fd")))
+            self.threads.append(len(os.listdir("/proc/self/task")))
 
 
 def main() -> None:
@@ -85,6 +89,8 @@ def main() -> None:
         "global_step": trainer.global_step,
         "consumed_samples": data.consumed_samples,
         "rss": script.rss,
+        "fds": script.fds,
+        "threads": script.threads,
         "errors": script.errors,
         "requested_at": script.requested_at,
     }
