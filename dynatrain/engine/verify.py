@@ -58,8 +58,8 @@ def local_checksums(layout: Layout, process: int, tensors: Mapping[str, torch.Te
 def replication(layout: Layout) -> list[int]:
     """How many positions hold each element of each state."""
     reps = []
-    for spec in layout.states:
-        held = sum(sh.numel for q, sh in enumerate(layout.classes[layout.state_class[layout.state_index(spec.name)]])
+    for i, spec in enumerate(layout.states):
+        held = sum(sh.numel for q, sh in enumerate(layout.classes[layout.state_class[i]])
                    if layout.rank_map[q] is not None)
         reps.append(held // spec.numel if spec.numel else 1)
     return reps

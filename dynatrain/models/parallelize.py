@@ -146,6 +146,13 @@ def build_parallel_model(
     return model
 
 
+def allocate_model(model: Transformer, device: torch.device | str) -> None:
+    """Storage for every local shard, left uninitialised (a switch fills it), and the buffers recomputed."""
+    device = torch.device(device)
+    model.to_empty(device=device)
+    model.init_buffers(device)
+
+
 def materialize_model(model: nn.Module, device: torch.device | str) -> None:
     device = torch.device(device)
     model.to_empty(device=device)

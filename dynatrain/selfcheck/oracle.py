@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
-from dynatrain.models.llama import Transformer
+from dynatrain.models.parallelize import allocate_model
+from dynatrain.strategies.switch import local_tensor
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -24,11 +24,8 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -
 
 def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A fresh model and optimizer on the strategy's current (new) mesh, filled from the checkpoint at path."""
-    with torch.device("meta"):
-        model = Transformer(module.model.config)
-    strategy.parallelize(model)
-    model.to_empty(device=strategy.root_device)
-    model.init_buffers(strategy.root_device)
+    model = strategy.meta_model(module.model.config)
+    allocate_model(model, strategy.root_device)
     live = strategy.optimizers[0]
     groups = []
     names = {id(p): n for n, p in module.model.named_parameters()}
@@ -44,23 +41,19 @@ def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, tor
     return model, optimizer
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def bitwise_equal(model_a, opt_a, model_b, opt_b, device) -> bool:
     """True on every rank when every local weight, Adam moment and step of a equals b's bit for bit."""
     ok = True
     params_b = dict(model_b.named_parameters())
     for name, pa in model_a.named_parameters():
         pb = params_b[name]
-        ok &= torch.equal(_local(pa.detach()), _local(pb.detach()))
+        ok &= torch.equal(local_tensor(pa.detach()), local_tensor(pb.detach()))
         sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
         if set(sa) != set(sb):
             ok = False
             continue
         for key in sa:
-            ok &= torch.equal(_local(sa[key]).cpu(), _local(sb[key]).cpu())
+            ok &= torch.equal(local_tensor(sa[key]).cpu(), local_tensor(sb[key]).cpu())
     flag = torch.tensor(1 if ok else 0, device=device)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -164,6 +164,15 @@ class DynaTrainStrategy(ModelParallelStrategy):
             sequence_parallel=self.sequence_parallel,
         )
 
+    def meta_model(
+        self, config, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
+    ) -> Transformer:
+        """A dynatrain Transformer on the meta device, parallelised for a layout and in the run's precision."""
+        with torch.device("meta"):
+            model = Transformer(config)
+        self.parallelize(model, mesh, pcfg)
+        return self.precision_plugin.convert_module(model)
+
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)

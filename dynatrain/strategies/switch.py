@@ -79,7 +79,8 @@ def state_specs(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     return tuple(specs)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; a plain tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -87,11 +88,11 @@ def collect_sources(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     """Every routed state's local tensor on this rank, keyed by state name."""
     src: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        src[name] = _local(p.detach())
+        src[name] = local_tensor(p.detach())
         state = optimizer.state.get(p) if optimizer is not None else None
         if state:
             for moment in ADAM_MOMENTS:
-                src[f"{name}.{moment}"] = _local(state[moment])
+                src[f"{name}.{moment}"] = local_tensor(state[moment])
     return src
 
 
@@ -112,7 +113,7 @@ def adopt_weights(model: torch.nn.Module, dst: dict[str, torch.Tensor]) -> None:
     """Copy the engine's new local weights into a materialised model, freeing each as soon as it is copied."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            local = _local(p)
+            local = local_tensor(p)
             new = dst.pop(name)
             if new.shape != local.shape:
                 raise RuntimeError(f"{name}: engine produced {tuple(new.shape)}, the model holds {tuple(local.shape)}")

@@ -13,13 +13,12 @@ import gc
 from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from dynatrain.engine.transition import run_transition, validate_sources
 from dynatrain.engine.verify import SwitchVerificationError, compare, local_checksums
 from dynatrain.models.llama import Transformer
-from dynatrain.models.parallelize import mesh_safe
+from dynatrain.models.parallelize import allocate_model, mesh_safe
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.switch import (
     PhaseTimer,
@@ -146,10 +145,7 @@ class Switcher:
 
         positions = list(plan.new.rank_map)
         new_mesh = strategy._build_mesh(target, ranks=positions)
-        with torch.device("meta"):
-            new_model = Transformer(model.config)
-        strategy.parallelize(new_model, new_mesh, target)
-        new_model = strategy.precision_plugin.convert_module(new_model)
+        new_model = strategy.meta_model(model.config, new_mesh, target)
         timer.lap("build")
 
         old_sums = local_checksums(old_layout, rank, src) if strategy.verify_switches else None
@@ -171,8 +167,7 @@ class Switcher:
         del src
         timer.lap("transfer")
 
-        new_model.to_empty(device=strategy.root_device)
-        new_model.init_buffers(strategy.root_device)
+        allocate_model(new_model, strategy.root_device)
         adopt_weights(new_model, dst)
         module.model = new_model
         strategy._device_mesh = new_mesh
