@@ -57,7 +57,7 @@ def test_bad_input_says_what_to_change(capsys):
     assert "tp=3 does not divide" in capsys.readouterr().err
     assert plan_cli.main(["--model", "debug", "--from", "dp_shard=2", "--to", "dp_shard=4",
                           "--budget-mb", "0.000001"]) == 2
-    assert "at least 4 bytes" in capsys.readouterr().err
+    assert "at least 7 bytes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         plan_cli.main(["--model", "debug", "--from", "dp_shard=two", "--to", "tp=2"])
     assert "cannot parse" in capsys.readouterr().err

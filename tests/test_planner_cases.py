@@ -159,8 +159,10 @@ def test_routing_lists_every_transfer_once():
 
 def test_bad_requests_name_the_fix():
     old = _layout((8,), "dp_shard=2")
-    with pytest.raises(ValueError, match="at least 4 bytes"):
-        plan_switch(old, "dp_shard=4", budget_bytes=3)
+    # Half the budget stages a round: one 4-byte element needs a budget of 7 bytes.
+    with pytest.raises(ValueError, match="at least 7 bytes"):
+        plan_switch(old, "dp_shard=4", budget_bytes=6)
+    plan_switch(old, "dp_shard=4", budget_bytes=7)
     with pytest.raises(ValueError, match="hold no position"):
         plan_switch(old, "dp_shard=1", leave=[5])
     with pytest.raises(ValueError, match="only 2 are available"):

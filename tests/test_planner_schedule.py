@@ -78,19 +78,50 @@ def test_random_pair_sets_respect_budget_and_cover_each_stream_once():
 def test_sources_are_freed_early_and_destinations_allocated_late():
     states = tuple(StateSpec(f"s{i}", (4, 4)) for i in range(4))
     old = Layout.from_config(states, ParallelConfig(dp_shard=2))
-    # Swapping the two processes moves every byte: 32 bytes per state shard, a budget of two shards.
-    plan = plan_switch(old, "dp_shard=2", rank_map=[1, 0], budget_bytes=64)
+    # Swapping the two processes moves every byte: 32 bytes per state shard. A budget of 128 bytes is 64 to
+    # stage a round and 64 in flight, so the states move in two phases of two.
+    plan = plan_switch(old, "dp_shard=2", rank_map=[1, 0], budget_bytes=128)
+    assert plan.groups == ((0, 1), (2, 3))
     assert plan.num_rounds == 4
     for p in (0, 1):
         rp = plan.rank_plan(p)
-        sends = [k for k in range(4) if rp.sends[k]]
-        recvs = [k for k in range(4) if rp.recvs[k]]
-        assert len(sends) == 2 and len(recvs) == 2
-        # States leave in order, so the first two source shards are freed before the last round ...
-        assert sorted(rp.release_round.values()) == [sends[0], sends[0], sends[1], sends[1]]
-        # ... and the destination shards are allocated only when their first byte arrives.
-        assert sorted(rp.alloc_round.values()) == [recvs[0], recvs[0], recvs[1], recvs[1]]
+        # Full duplex: every round both sends and receives, half the staging each way.
+        assert all(rp.sends[k] and rp.recvs[k] for k in range(4))
+        assert all(rp.staging_bytes(k) == 64 for k in range(4))
+        # Each state's source goes in the round it is sent, its destination comes in the round it arrives.
+        assert rp.release_round == {(f"s{i}", 0): i for i in range(4)}
+        assert rp.alloc_round == {(f"s{i}", 0): i for i in range(4)}
     execute(plan)
+
+
+def test_phases_keep_the_doubled_state_under_the_budget():
+    # dp_shard=4 -> dp_shard=2: the survivors' states double, the leavers' vanish. Without phases every
+    # survivor would allocate all of its destinations while still holding its sources.
+    old = Layout.for_model("debug", ParallelConfig(dp_shard=4))
+    budget = 1 << 20
+    plan = plan_switch(old, "dp_shard=2", leave=[2, 3], budget_bytes=budget)
+    assert len(plan.groups) > 1
+    assert sorted(si for g in plan.groups for si in g) == list(range(len(old.states)))
+    assert sum(b for g in plan.groups for segs in plan.table.group_pair_bytes(g).values() for _, b in segs) \
+        == plan.bytes_moved
+    largest = max(s.nbytes for s in old.states)
+    for p in plan.processes:
+        rp = plan.rank_plan(p)
+        src = {s.name: _held(plan.old, s.name, p) for s in old.states}
+        dst = {s.name: _held(plan.new, s.name, p) for s in old.states}
+        live = sum(src.values())
+        peak = live + max(rp.staging_bytes(k) for k in range(rp.num_rounds))
+        for k in range(rp.num_rounds):
+            live += sum(dst[name] for (name, _), a in rp.alloc_round.items() if a == k)
+            peak = max(peak, live + rp.staging_bytes(k))
+            live -= sum(src[name] for (name, _), r in rp.release_round.items() if r == k)
+        assert peak <= max(sum(src.values()), sum(dst.values())) + budget + largest // 2, p
+    execute(plan)
+
+
+def _held(layout, name, p):
+    held = layout.shards(name, p)
+    return 0 if held is None else held.numel * layout.state(name).itemsize
 
 
 def test_streams_put_wide_dtypes_first_so_pieces_stay_aligned():

@@ -120,6 +120,7 @@ def compute(args: argparse.Namespace) -> dict:
         "max_rank_send_bytes": max(sent.values(), default=0),
         "max_rank_recv_bytes": max(recv.values(), default=0),
         "rounds": plan.num_rounds,
+        "phases": len(plan.groups),
         "budget_bytes": budget,
         "peak_staging_bytes": plan.peak_staging_bytes,
         "predicted_seconds": network.predict_seconds(plan.traffic),
@@ -157,7 +158,8 @@ def render(r: dict) -> str:
         f"bytes moved, identity map  {_size(r['bytes_moved_identity'])}{_pct(r['fraction_moved_identity'])}",
         f"largest per-rank send      {_size(r['max_rank_send_bytes'])}",
         f"largest per-rank receive   {_size(r['max_rank_recv_bytes'])}",
-        f"rounds                     {r['rounds']} (budget {_size(r['budget_bytes'])} per rank and round)",
+        f"rounds                     {r['rounds']} in {r['phases']} phases (budget {_size(r['budget_bytes'])} per rank: "
+        "half stages a round, half holds the phase in flight)",
         f"peak staging per rank      {_size(r['peak_staging_bytes'])}",
         f"predicted transfer         {r['predicted_seconds']:.3f} s ({net['gpus_per_node']} GPUs per node, "
         f"{net['nics_per_node']} x {net['link_gbps']:g} Gbit/s NICs per node, {net['intra_node_gbps']:g} Gbit/s "

@@ -16,6 +16,7 @@ volumes of its intersections add up to its own volume.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -243,6 +244,30 @@ class RouteTable:
     by_process: dict = field(repr=False)
     pair_bytes: dict = field(repr=False)  # (src, dst) -> ((itemsize, bytes), ...) itemsize descending
     local_bytes: dict = field(repr=False)  # process -> bytes it copies locally
+    # Per route class: (src, dst) -> {replica count n: element volumes by residue}. A state of the class with
+    # rotation index r sends acc[n][r % n] elements over the pair from regions with n holders.
+    class_pairs: tuple = field(default=(), repr=False)
+
+    def group_pair_bytes(self, states: Iterable[int]) -> dict:
+        """`pair_bytes` restricted to the given state indices: (src, dst) -> ((itemsize, bytes), ...)."""
+        wanted = set(states)
+        out: dict[tuple[int, int], dict[int, int]] = {}
+        for rc, pairs in zip(self.classes, self.class_pairs):
+            members = [(self.old.states[si].itemsize, rot) for si, rot in zip(rc.states, rc.rotation_index)
+                       if si in wanted]
+            if not members:
+                continue
+            combos: dict[int, list[tuple[int, int, int]]] = {}  # n -> (itemsize, residue, states)
+            for pair, by_n in pairs.items():
+                for n, acc in by_n.items():
+                    if n not in combos:
+                        count = Counter((size, rot % n) for size, rot in members)
+                        combos[n] = [(size, res, c) for (size, res), c in count.items()]
+                    for size, res, c in combos[n]:
+                        if acc[res]:
+                            seg = out.setdefault(pair, {})
+                            seg[size] = seg.get(size, 0) + acc[res] * size * c
+        return {pair: tuple(sorted(segs.items(), reverse=True)) for pair, segs in sorted(out.items())}
 
     @property
     def bytes_moved(self) -> int:
@@ -285,7 +310,10 @@ def route_table(
     by_process: dict[int, list[int]] = {}
     pair_bytes: dict[tuple[int, int], dict[int, int]] = {}
     local_bytes: dict[int, int] = {}
+    class_pairs: list[dict] = []
     for ci, ov in enumerate(ovs):
+        residues: dict[tuple[int, int], dict[int, list[int]]] = {}
+        class_pairs.append(residues)
         rc = ov.route
         ob, nb = old.class_boxes(rc.old_class), new.class_boxes(rc.new_class)
         ob_pos, ob_shard, ob_lo = ob.position.tolist(), ob.shard.tolist(), ob.lo.tolist()
@@ -334,6 +362,8 @@ def route_table(
                 by_process.setdefault(dst, []).append(ri)
                 n = len(srcs)
                 for h, (src, _, _) in enumerate(srcs):
+                    acc = residues.setdefault((src, dst), {}).setdefault(n, [0] * n)
+                    acc[(h - q) % n] += vol
                     sent = 0
                     for size, count in rc.itemsize_counts:
                         mine = count // n + (1 if (h - q) % n < count % n else 0)
@@ -346,7 +376,7 @@ def route_table(
     frozen_pairs = {
         pair: tuple(sorted(segs.items(), reverse=True)) for pair, segs in sorted(pair_bytes.items())
     }
-    return RouteTable(old, new, classes, tuple(regions), by_process, frozen_pairs, local_bytes)
+    return RouteTable(old, new, classes, tuple(regions), by_process, frozen_pairs, local_bytes, tuple(class_pairs))
 
 
 def route(old: Layout, new: Layout, processes: Iterable[int] | None = None) -> Routing:

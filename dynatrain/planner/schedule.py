@@ -31,6 +31,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from dynatrain.planner.groups import state_groups
 from dynatrain.planner.assignment import Assignment, assign, candidates, identity_map, kept_bytes
 from dynatrain.planner.routing import RouteTable, Transfer, overlaps, route_table, saved_matrix
 from dynatrain.vps.layout import Layout
@@ -50,7 +51,8 @@ def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ..
 
     Greedy per round: pairs are taken busiest-rank first (ties: the pair furthest behind in its stream, then
     ids, so one rank's streams progress together through the states), each gets as much of its stream as
-    both ends still have room for, cut at an element boundary. The first pair of a round always advances
+    both ends still have room for, at most a fair share of the budget of its busier end, cut at an element
+    boundary. The first pair of a round always advances
     by at least one element, so the loop ends. Integers only, so every rank gets the same rounds.
     """
     need = min_budget(pair_bytes)
@@ -91,22 +93,30 @@ def schedule_pairs(pair_bytes: dict, budget: int) -> tuple[tuple[Slice, ...], ..
         active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]),
                                    (offset[i] << 10) // total[i], pairs[i]))
         room: dict[int, int] = {}
-        taken = []
+        degree: dict[int, int] = {}
         for i in active:
-            s, d = pairs[i]
-            want = min(room.get(s, budget), room.get(d, budget), total[i] - offset[i])
-            if want <= 0:
-                continue
-            end = _snap(ends[i], offset[i] + want)
-            n = end - offset[i]
-            if n <= 0:
-                continue
-            taken.append((s, d, offset[i], n))
-            offset[i] = end
-            room[s] = room.get(s, budget) - n
-            room[d] = room.get(d, budget) - n
-            load[s] -= n
-            load[d] -= n
+            for r in pairs[i]:
+                degree[r] = degree.get(r, 0) + 1
+        start = {i: offset[i] for i in active}
+        # Two passes: first a fair share of each end's budget, so a rank sends and receives in the same round
+        # (links are full duplex) instead of one direction taking the whole round; then what room is left.
+        for fair_pass in (True, False):
+            for i in active:
+                s, d = pairs[i]
+                want = min(room.get(s, budget), room.get(d, budget), total[i] - offset[i])
+                if fair_pass:
+                    want = min(want, max(need, budget // max(degree[s], degree[d])))
+                if want <= 0:
+                    continue
+                n = _snap(ends[i], offset[i] + want) - offset[i]
+                if n <= 0:
+                    continue
+                offset[i] += n
+                room[s] = room.get(s, budget) - n
+                room[d] = room.get(d, budget) - n
+                load[s] -= n
+                load[d] -= n
+        taken = [(*pairs[i], start[i], offset[i] - start[i]) for i in active if offset[i] > start[i]]
         rounds.append(tuple(sorted(taken)))
         active = [i for i in active if offset[i] < total[i]]
     return tuple(rounds)
@@ -190,7 +200,27 @@ class SwitchPlan:
     traffic: tuple[tuple[Slice, ...], ...]
     table: RouteTable = field(repr=False)
     bytes_moved_identity: int | None = None
+    # Phases (see `planner.groups`): state indices per group and each group's rounds [start, end).
+    groups: tuple[tuple[int, ...], ...] = ()
+    group_rounds: tuple[tuple[int, int], ...] = ()
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def staging_budget_bytes(self) -> int:
+        """The part of the budget a round's staging may use; the rest holds the group in flight."""
+        return staging_share(self.budget_bytes)
+
+    def group_of(self, state_index: int) -> int:
+        index = self._cache.get("group_of")
+        if index is None:
+            index = self._cache["group_of"] = {si: g for g, members in enumerate(self.groups) for si in members}
+        return index.get(state_index, 0)
+
+    def group_span(self, state_index: int) -> tuple[int, int]:
+        """The rounds [start, end) of the phase that moves a state (the whole switch without phases)."""
+        if not self.group_rounds:
+            return 0, self.num_rounds
+        return self.group_rounds[self.group_of(state_index)]
 
     @property
     def num_rounds(self) -> int:
@@ -281,9 +311,10 @@ class SwitchPlan:
         return h.hexdigest()
 
 
-def _stream_key(table: RouteTable, t: Transfer) -> tuple:
-    spec_index = table.old.state_index(t.state)
-    return (-table.old.states[spec_index].itemsize, spec_index, t.dst_shard, t.dst_box.lo)
+def _stream_key(plan: SwitchPlan, t: Transfer) -> tuple:
+    spec_index = plan.table.old.state_index(t.state)
+    return (plan.group_of(spec_index), -plan.table.old.states[spec_index].itemsize, spec_index, t.dst_shard,
+            t.dst_box.lo)
 
 
 def _cut(pieces: list[Transfer], itemsize: dict[str, int], slices: list[tuple[int, int, int]],
@@ -331,20 +362,21 @@ def _local_bytes(layout: Layout, state: str, process: int) -> int:
     return 0 if held is None else held.numel * layout.state(state).itemsize
 
 
-def _copy_round(last_send: int | None, first_recv: int | None, n_rounds: int,
+def _copy_round(last_send: int | None, first_recv: int | None, span: tuple[int, int],
                 src_bytes: int, dst_bytes: int) -> int:
-    """The round of a state's local copies. The source tensor lives until max(last send, copy round), the
-    destination from min(first receive, copy round); pick the round (among 0, the last send, the first
-    receive and the last round) that holds the fewest byte-rounds, earliest on ties. So a shrinking state
-    swaps early, a growing one late, and a copy between the state's sends and receives costs nothing."""
-    end = n_rounds  # destinations live to the end of the switch
-    s = -1 if last_send is None else last_send
+    """The round of a state's local copies, inside its phase's rounds ``span`` = [start, end). The source
+    tensor lives until max(last send, copy round), the destination from min(first receive, copy round); pick
+    the round (among the phase's first and last, the last send and the first receive) that holds the fewest
+    byte-rounds, earliest on ties. So a shrinking state swaps early, a growing one late, and a copy between
+    the state's sends and receives costs nothing."""
+    start, end = span
+    s = start - 1 if last_send is None else last_send
     r = end if first_recv is None else first_recv
 
     def cost(c: int) -> int:
-        return src_bytes * (max(s, c) + 1) + dst_bytes * (end - min(r, c))
+        return src_bytes * (max(s, c) + 1 - start) + dst_bytes * (end - min(r, c))
 
-    options = sorted({0, n_rounds - 1, *(x for x in (last_send, first_recv) if x is not None)})
+    options = sorted({start, end - 1, *(x for x in (last_send, first_recv) if x is not None)})
     return min(options, key=lambda c: (cost(c), c))
 
 
@@ -361,7 +393,7 @@ def _expand_rank(plan: SwitchPlan, rank: int) -> RankPlan:
         for t in transfers:
             by_pair.setdefault((t.src, t.dst), []).append(t)
         for pair in sorted(by_pair):
-            stream = sorted(by_pair[pair], key=lambda t: _stream_key(table, t))
+            stream = sorted(by_pair[pair], key=lambda t: _stream_key(plan, t))
             for msg in _cut(stream, itemsize, slices.get(pair, []), *pair):
                 box[msg.round].append(msg)
     last_send: dict[tuple[str, int], int] = {}
@@ -386,7 +418,8 @@ def _expand_rank(plan: SwitchPlan, rank: int) -> RankPlan:
     for t in local:
         if t.state not in copy_round:
             copy_round[t.state] = _copy_round(
-                state_last_send.get(t.state), state_first_recv.get(t.state), n_rounds,
+                state_last_send.get(t.state), state_first_recv.get(t.state),
+                plan.group_span(table.old.state_index(t.state)),
                 _local_bytes(table.old, t.state, rank), _local_bytes(table.new, t.state, rank))
     copies: list[list[Transfer]] = [[] for _ in range(n_rounds)]
     copy_rounds: list[tuple[Transfer, int]] = []
@@ -459,5 +492,51 @@ def plan_switch(
             identity_moved = None
     node_of = None if gpus_per_node is None else (lambda p: p // gpus_per_node)
     table = route_table(src, new, ovs, node_of)
-    traffic = schedule_pairs(table.pair_bytes, budget_bytes)
-    return SwitchPlan(src, new, asg, budget_bytes, traffic, table, identity_moved)
+    groups = state_groups(src, new, budget_bytes - staging_share(budget_bytes))
+    traffic, group_rounds = schedule_groups(table, groups, budget_bytes)
+    return SwitchPlan(src, new, asg, budget_bytes, traffic, table, identity_moved, groups, group_rounds)
+
+
+def staging_share(budget_bytes: int) -> int:
+    """Half the budget stages a round's messages; the other half holds the phase in flight."""
+    return (budget_bytes + 1) // 2
+
+
+def schedule_groups(table: RouteTable, groups: tuple[tuple[int, ...], ...], budget_bytes: int):
+    """Rounds for the phases one after another: (traffic, rounds [start, end) of each phase).
+
+    A phase with nothing on the wire still gets one round, where its local copies run. Stream offsets run on
+    across phases, so a pair's stream is its phases' streams back to back (`_stream_key` sorts by phase).
+    """
+    staging = staging_share(budget_bytes)
+    need = min_budget(table.pair_bytes)
+    if staging < need:
+        raise ValueError(
+            f"a switch budget of {budget_bytes} bytes leaves {staging} bytes to stage a round, less than the "
+            f"largest indivisible piece (one element of {need} bytes): give a budget of at least {2 * need - 1} bytes"
+        )
+    load: dict[int, int] = {}
+    for (s, d), segs in table.pair_bytes.items():
+        n = sum(b for _, b in segs)
+        load[s] = load.get(s, 0) + n
+        load[d] = load.get(d, 0) + n
+    busiest = max(load.values(), default=0)
+    if -(-busiest // staging) + len(groups) > MAX_ROUNDS:
+        raise ValueError(
+            f"a switch budget of {budget_bytes} bytes needs more than {MAX_ROUNDS} rounds for a rank that moves "
+            f"{busiest} bytes; give a budget of at least {2 * -(-busiest // (MAX_ROUNDS - len(groups)))} bytes"
+        )
+    traffic: list[tuple[Slice, ...]] = []
+    spans = []
+    base: dict[tuple[int, int], int] = {}
+    for members in groups:
+        pair_bytes = table.group_pair_bytes(members)
+        start = len(traffic)
+        for rnd in schedule_pairs(pair_bytes, staging) if pair_bytes else ():
+            traffic.append(tuple((s, d, base.get((s, d), 0) + off, n) for s, d, off, n in rnd))
+        for pair, segs in pair_bytes.items():
+            base[pair] = base.get(pair, 0) + sum(b for _, b in segs)
+        if len(traffic) == start:
+            traffic.append(())
+        spans.append((start, len(traffic)))
+    return tuple(traffic), tuple(spans)

@@ -44,7 +44,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         param_dtype: FSDP2 mixed precision: dtype parameters are gathered in (``"bfloat16"``), or None.
         reduce_dtype: FSDP2 mixed precision: dtype of the gradient reduce-scatter.
         verify_switches: check every layout switch bitwise (per-state checksums before and after).
-        switch_budget_mb: staging memory per rank for a layout switch (send + receive buffers of one round).
+        switch_budget_mb: transient memory per rank for a layout switch beyond holding the state once: half
+            stages a round's send + receive buffers, half holds the states in flight (see docs/planner.md).
         rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire)
             or ``"identity"``.
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
