@@ -18,9 +18,10 @@ def _own_parser() -> argparse.ArgumentParser:
         f"Training: dynatrain {{{','.join(LIGHTNING_COMMANDS)}}} --config RECIPE.yaml (see `dynatrain fit --help`).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from dynatrain.cli import plan, selfcheck
+    from dynatrain.cli import plan, scale, selfcheck
 
     plan.add_parser(sub)
+    scale.add_parser(sub)
     selfcheck.add_parser(sub)
     return parser
 

@@ -70,19 +70,29 @@ def _wrap(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+def reduce_sums(sums: list[int], device: torch.device | str = "cpu", group=None) -> list[int]:
+    """Sum per-state checksums over the ranks of ``group`` (the whole state's checksums on every rank)."""
+    t = torch.tensor([_wrap(x) for x in sums], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()
+
+
+def differing(old: Layout, old_totals: list[int], new: Layout, new_totals: list[int]) -> list[str]:
+    """Names of the states whose whole-state checksums differ, replication factors taken out."""
+    ra, rb = replication(old), replication(new)
+    return [
+        spec.name
+        for spec, x, y, p, q in zip(old.states, old_totals, new_totals, ra, rb)
+        if _wrap(x * q) != _wrap(y * p)
+    ]
+
+
 def compare(
     old: Layout, old_sums: list[int], new: Layout, new_sums: list[int], device: torch.device | str = "cpu",
     group=None,
 ) -> list[str]:
     """All-reduce both checksum vectors and return the names of the states that differ (empty: bitwise equal)."""
-    both = torch.tensor([_wrap(x) for x in (*old_sums, *new_sums)], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+    both = reduce_sums([*old_sums, *new_sums], device, group)
     n = len(old_sums)
-    a, b = both[:n].tolist(), both[n:].tolist()
-    ra, rb = replication(old), replication(new)
-    return [
-        spec.name
-        for spec, x, y, p, q in zip(old.states, a, b, ra, rb)
-        if _wrap(x * q) != _wrap(y * p)
-    ]
+    return differing(old, both[:n], new, both[n:])
