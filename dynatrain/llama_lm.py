@@ -86,7 +86,10 @@ class LlamaLM(pl.LightningModule):
         else:
             tp_mesh, dp_mesh = _lightning_meshes(self.device_mesh, self.model_config)
             parallelize_model(model, tp_mesh, dp_mesh)
-        materialize_model(model, strategy.root_device)
+        if hasattr(strategy, "materialize"):
+            strategy.materialize(model)  # a process joining a running job adopts the shards it received
+        else:
+            materialize_model(model, strategy.root_device)
         self.model = model
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ parallelises a dynatrain `Transformer` itself when the LightningModule does not 
 from __future__ import annotations
 
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,8 +21,10 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, member_info
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import dp_submesh, init_mesh, materialize_model, parallelize_model
+from dynatrain.strategies.elastic import set_world
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,6 +36,12 @@ def _dtype(name: str | None, what: str) -> torch.dtype | None:
     if name not in _DTYPES:
         raise ValueError(f"{what}={name!r} is not supported; use one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def _prepare_data_locally(trainer: Trainer) -> None:
+    datamodule = trainer.datamodule
+    if datamodule is not None and is_overridden("prepare_data", datamodule):
+        datamodule.prepare_data()
 
 
 class DynaTrainStrategy(ModelParallelStrategy):
@@ -49,6 +58,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire)
             or ``"identity"``.
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
+        elastic: let the job change its processes (``True``, a dict of `ElasticConfig` fields, or one):
+            processes leave and join through the job's store (see docs/elastic.md).
     """
 
     strategy_name = "dynatrain"
@@ -65,6 +76,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        elastic: ElasticConfig | dict | bool | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -89,6 +101,11 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.switch_reports: list = []
         self._switcher = None
         self._meshes: dict[tuple, DeviceMesh] = {}
+        self.elastic_config = ElasticConfig.parse(elastic)
+        self.elastic: ElasticManager | None = None
+        self.detached = False  # this process left the job: collectives become local no-ops
+        self.local_only = False  # a joiner before training starts: Lightning's start-up collectives stay local
+        self._device: torch.device | None = None
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
@@ -126,12 +143,47 @@ class DynaTrainStrategy(ModelParallelStrategy):
         return pcfg.validate(self.model_config(), world)
 
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        if self.elastic_config is None:
+            self._setup_distributed()
+        else:
+            self._setup_elastic()
+            if self.parallel_config is not None:  # a joiner: its layout came with the switch it joined
+                return
         self.parallel_config = self._resolve_layout()
         self.positions = list(range(self.parallel_config.world_size))
         self._device_mesh = self._build_mesh(self.parallel_config)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_elastic(self) -> None:
+        """Form generation 0 of an elastic job, or, in a joining process, enter the running job."""
+        self.accelerator.setup_device(self.root_device)  # what Strategy.setup_environment does
+        self._device = self.root_device
+        self._process_group_backend = self._get_process_group_backend()
+        self.elastic = ElasticManager(self.elastic_config)
+        if self.elastic.joining:
+            self.local_only = True
+            trainer = self.lightning_module.trainer
+            # Lightning brackets prepare_data with a barrier on a new group of the whole world; the members
+            # passed theirs long ago, so a joiner prepares its node's data alone.
+            trainer._data_connector.prepare_data = lambda: _prepare_data_locally(trainer)
+            self._install_switcher(None)
+            self._switcher.join()
+            self.lightning_module._device_mesh = self._device_mesh
+            return
+        self.set_world_ranks()
+        world = self.elastic.start(self.global_rank, self.world_size, self.member_info())
+        set_world(self, world.rank, world.world_size)
+
+    def member_info(self) -> dict:
+        from dynatrain import __version__
+
+        return member_info(self.model_config(), __version__)
+
+    @property
+    def root_device(self) -> torch.device:
+        # An elastic process keeps its device while its rank and the world around it change.
+        return self._device if self._device is not None else super().root_device
 
     def _build_mesh(self, pcfg: ParallelConfig, ranks=None) -> DeviceMesh:
         """The mesh of a layout and rank arrangement, built once per world and reused when a switch returns to it.
@@ -181,7 +233,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
             self._parallelize_children()
         for module in self.model.modules():
             if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
-                materialize_model(module, self.root_device)
+                self.materialize(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -189,6 +241,10 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self._install_switcher(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._switcher.joined is not None:
+                for module in self.model.modules():
+                    if isinstance(module, Transformer):
+                        self._switcher.adopt_joined_optimizer(module)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -210,22 +266,63 @@ class DynaTrainStrategy(ModelParallelStrategy):
             trainer.accumulate_grad_batches = datamodule.accumulation_for(self.dp_size)
 
     # ---- layout switches ----------------------------------------------------------------------------------
-    def _install_switcher(self, trainer: Trainer) -> None:
+    def _install_switcher(self, trainer: Trainer | None) -> None:
         from dynatrain.strategies.switcher import Switcher
 
         if self._switcher is None:
             self._switcher = Switcher(self)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._switcher.attach(trainer)
 
-    def request_switch(self, target: str | ParallelConfig) -> ParallelConfig:
+    def materialize(self, model: Transformer) -> None:
+        """Give a meta-device Transformer its storage: initialised weights, or a joiner's received shards."""
+        if self._switcher is not None and self._switcher.joined is not None:
+            self._switcher.adopt_joined_weights(model)
+        else:
+            materialize_model(model, self.root_device)
+
+    def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = ()) -> ParallelConfig:
         """Switch to ``target`` at the next optimizer-step boundary (now, if training is at one).
 
         The target is checked at once: a layout that does not fit the devices or the model, or whose
         data-parallel size cannot keep the global batch, raises ValueError and nothing changes.
-        Every rank must make the same request.
+        Every rank must make the same request. In an elastic job the target may have another world size:
+        ``leave`` names ranks that must go (others are chosen by the planner when the target is smaller);
+        a larger target waits at step boundaries for enough ready joiners (`dynatrain join`).
         """
-        return self._switcher.request(target)
+        return self._switcher.request(target, leave)
+
+    # ---- collectives of a process outside the training world ----------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        if not (self.detached or self.local_only):
+            super().barrier(name)
+
+    def broadcast(self, obj, src: int = 0):
+        if self.detached or self.local_only:
+            return obj
+        return super().broadcast(obj, src)
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        if self.detached or self.local_only:
+            return tensor
+        return super().reduce(tensor, group, reduce_op)
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        if self.detached or self.local_only:
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group, sync_grads)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None):
+        if str(checkpoint_path) == JOIN_CHECKPOINT:
+            if self._switcher is None or self._switcher.joined is None:
+                raise ValueError(f"ckpt_path={JOIN_CHECKPOINT!r} is for a process started with `dynatrain join`")
+            return self._switcher.joined.checkpoint
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        if self.detached:
+            return  # a process that left holds no state of the job
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None, budget_mb: float | None = None):
         """Move model and optimizer state to the layout ``target`` now. Only at an optimizer-step boundary;

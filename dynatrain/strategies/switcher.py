@@ -10,16 +10,31 @@ and gradient accumulation -> optionally verify bitwise.
 from __future__ import annotations
 
 import gc
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dynatrain.engine.transition import run_transition, validate_sources
-from dynatrain.engine.verify import SwitchVerificationError, compare, local_checksums
+from dynatrain.engine.verify import SwitchVerificationError, compare, differing, local_checksums, reduce_sums
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import allocate_model, mesh_safe
 from dynatrain.planner.schedule import plan_switch
+from dynatrain.strategies.elastic import (
+    JoinState,
+    adopt_logger_versions,
+    decode_scalars,
+    decode_specs,
+    encode_scalars,
+    encode_specs,
+    logger_versions,
+    loop_checkpoint,
+    set_world,
+)
 from dynatrain.strategies.switch import (
     PhaseTimer,
     SwitchReport,
@@ -45,16 +60,26 @@ class _BoundaryHook(pl.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self.switcher.accumulation_offset = 0  # Lightning's batch counter restarts with each epoch
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.switcher.on_train_start()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.switcher.pending is not None and self.switcher.at_boundary():
-            target, self.switcher.pending = self.switcher.pending, None
-            self.switcher.switch(target)
+            self.switcher.run_pending()
+
+
+@dataclass
+class _Pending:
+    target: ParallelConfig
+    leave: tuple[int, ...]
+    requested_at: float
 
 
 class Switcher:
     def __init__(self, strategy: "DynaTrainStrategy") -> None:
         self.strategy = strategy
-        self.pending: ParallelConfig | None = None
+        self.pending: _Pending | None = None
+        self.joined = None  # a joiner's JoinState until training starts
         self.accumulation_offset = 0
         self.trainer: pl.Trainer | None = None
 
@@ -93,10 +118,11 @@ class Switcher:
         return done % trainer.accumulate_grad_batches == 0
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def check(self, target: str | ParallelConfig) -> ParallelConfig:
+    def check(self, target: str | ParallelConfig, world_size: int | None = None) -> ParallelConfig:
         """Parse and validate a target against the devices, the model and the global batch."""
         strategy = self.strategy
-        target = ParallelConfig.parse(target).validate(strategy.model_config(), strategy.world_size)
+        world_size = strategy.world_size if world_size is None else world_size
+        target = ParallelConfig.parse(target).validate(strategy.model_config(), world_size)
         datamodule = getattr(self.trainer, "datamodule", None) if self.trainer else None
         if datamodule is not None and hasattr(datamodule, "accumulation_for"):
             try:
@@ -105,31 +131,83 @@ class Switcher:
                 raise ValueError(f"cannot switch to {target.short()}: {e}") from None
         return target
 
-    def request(self, target: str | ParallelConfig) -> ParallelConfig:
-        target = self.check(target)
-        self.pending = target
+    def check_world(self, target: ParallelConfig, leave: tuple[int, ...]) -> None:
+        """A world change needs the elastic manager, known leavers and room under max_devices."""
+        strategy = self.strategy
+        world = strategy.world_size
+        bad = [r for r in leave if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"leave={list(leave)}: ranks {bad} are not in the current world of {world} processes")
+        if target.world_size == world and not leave:
+            return
+        if strategy.elastic is None:
+            raise ValueError(
+                f"switching from {world} to {target.world_size} processes needs an elastic job: create the "
+                "strategy with DynaTrainStrategy(elastic=...) and start it with `dynatrain fit --elastic.max_devices N`"
+            )
+        cap = strategy.elastic.config.max_devices
+        if cap is not None and target.world_size > cap:
+            raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
+
+    def request(self, target: str | ParallelConfig, leave=()) -> ParallelConfig:
+        leave = tuple(sorted({int(r) for r in leave}))
+        parsed = ParallelConfig.parse(target)
+        self.check_world(parsed, leave)
+        target = self.check(parsed, world_size=parsed.world_size)
+        self.pending = _Pending(target, leave, time.monotonic())
         if self.trainer is None or not self.trainer.training:
-            self.pending = None
-            self.switch(target)
+            self.run_pending()
         return target
+
+    def run_pending(self) -> SwitchReport | None:
+        """Run the pending request if it can run now; a scale-out waits (across boundaries) for its joiners."""
+        p = self.pending
+        if p is None:
+            return None
+        strategy = self.strategy
+        if p.target.world_size == strategy.world_size and not p.leave:
+            self.pending = None
+            return self.switch(p.target)
+        joiners = self._agree_on_joiners(p)
+        if joiners is None:
+            return None  # not enough joiners ready yet: ask again at the next boundary
+        self.pending = None
+        if joiners == "drop":
+            rank_zero_warn(f"scale-out to {p.target.short()} dropped: not enough joiners got ready within "
+                           f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
+                           f"{strategy.world_size} processes")
+            return None
+        rank_zero_info(f"world change {strategy.parallel_config.short()} -> {p.target.short()}: leaving ranks "
+                       f"{list(p.leave)}, admitting joiners {joiners}")
+        return self.switch_world(p.target, p.leave, joiners)
+
+    def _agree_on_joiners(self, p: "_Pending"):
+        """Rank 0 reads the ready joiners from the store; every rank gets its decision (one broadcast)."""
+        strategy = self.strategy
+        need = p.target.world_size - (strategy.world_size - len(p.leave))
+        if need <= 0:
+            return []
+        decision = None
+        if strategy.global_rank == 0:
+            manager = strategy.elastic
+            ready = manager.ready_joiners()
+            if len(ready) >= need:
+                decision = ready[:need]
+            elif time.monotonic() - p.requested_at > manager.config.join_timeout:
+                for m in ready:
+                    manager.drop_joiner(m, f"the scale-out to {p.target.short()} timed out")
+                decision = "drop"
+        return strategy.broadcast(decision)
 
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None,
                budget_mb: float | None = None) -> SwitchReport:
-        if not self.at_boundary():
-            raise RuntimeError(
-                "a layout switch can only run at an optimizer-step boundary: use strategy.request_switch(), "
-                "which waits for the end of the current gradient accumulation"
-            )
+        """A layout switch within the current world (same processes)."""
+        self._require_boundary()
         timer = PhaseTimer()
         strategy = self.strategy
-        module = strategy.lightning_module
         target = self.check(target)
-        model = getattr(module, "model", None)
-        if not isinstance(model, Transformer):
-            raise TypeError("switch() moves a dynatrain Transformer held as `model` by the LightningModule; "
-                            f"found {type(model).__name__}")
-        optimizer = strategy.optimizers[0] if strategy.optimizers else None
+        model, optimizer = self._current()
         old_cfg, rank = strategy.parallel_config, strategy.global_rank
         budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
 
@@ -149,24 +227,211 @@ class Switcher:
         timer.lap("build")
 
         old_sums = local_checksums(old_layout, rank, src) if strategy.verify_switches else None
-        scalars = scalar_states(model, optimizer)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-        schedulers = [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs]
-        # Drop every reference to the old shards but the engine's, so it can free each after its last send.
-        module.model = None
-        if optimizer is not None:
-            optimizer.state.clear()
-            for g in optimizer.param_groups:
-                g["params"] = []
-        strategy.optimizers = []
+        kept = self._keep(model, optimizer)
+        self._release(model, optimizer)
         del model, optimizer
-        gc.collect()
         timer.lap("release")
 
         dst, stats = run_transition(plan, rank, src, device=strategy.root_device)
         del src
         timer.lap("transfer")
 
+        self._adopt(new_model, new_mesh, target, positions, dst, kept)
+        timer.lap("adopt")
+
+        verified = None
+        if old_sums is not None:
+            new_sums = local_checksums(plan.new, rank, collect_sources(new_model, self._optimizer()))
+            verified = self._verified(compare(old_layout, old_sums, plan.new, new_sums, device=strategy.root_device),
+                                      old_cfg, target)
+            timer.lap("verify")
+        gc.collect()
+        return self._report(plan, old_cfg, target, positions, stats, verified, timer)
+
+    def switch_world(self, target: ParallelConfig, leave: tuple[int, ...], joiners: list[str]) -> SwitchReport:
+        """A switch that changes the processes: ``leave`` (current ranks) go, ``joiners`` (ready member ids) come.
+
+        The plan runs over the union of old and new members (process id = rank in the union's sorted member
+        list, which is what the union generation's ranks are); the new mesh is built on the target generation.
+        """
+        self._require_boundary()
+        timer = PhaseTimer()
+        strategy = self.strategy
+        manager = strategy.elastic
+        model, optimizer = self._current()
+        old_cfg = strategy.parallel_config
+        members = list(manager.world.members)
+        union = sorted(set(members) | set(joiners))
+        uid = {m: i for i, m in enumerate(union)}
+        me = uid[manager.member_id]
+        specs = state_specs(model, optimizer)
+        old_ids = [uid[members[p]] for p in strategy.positions]
+        old_layout = Layout.from_config(specs, old_cfg, rank_map=old_ids)
+        leave_ids = [uid[members[r]] for r in leave]
+        join_ids = [uid[j] for j in joiners]
+        plan = plan_switch(old_layout, target, leave=leave_ids, joiners=join_ids,
+                           rank_map=strategy.rank_map, budget_bytes=strategy.switch_budget_bytes)
+        target_members, target_ranks = _target_ranks(plan, union)
+        if not mesh_safe(target_ranks, target):
+            # Mesh groups keep sorted ranks: place the same processes in ascending order.
+            plan = plan_switch(old_layout, target, leave=leave_ids, joiners=join_ids,
+                               rank_map=sorted(plan.new.processes), budget_bytes=strategy.switch_budget_bytes)
+            target_members, target_ranks = _target_ranks(plan, union)
+        src = collect_sources(model, optimizer)
+        validate_sources(plan, me, src)
+        timer.lap("plan")
+
+        old_totals = None
+        if strategy.verify_switches:
+            old_totals = reduce_sums(local_checksums(old_layout, me, src), strategy.root_device)
+        kept = self._keep(model, optimizer)
+        if joiners and strategy.global_rank == 0:
+            manager.publish(manager.world.generation + 1, {
+                "old": old_cfg.short(), "old_ids": old_ids, "target": target.short(),
+                "positions": list(plan.new.rank_map), "target_ranks": target_ranks, "leave": leave_ids,
+                "joiners": join_ids, "union": union, "budget": strategy.switch_budget_bytes,
+                "specs": encode_specs(specs), "scalars": encode_scalars(kept["scalars"]), "groups": kept["groups"],
+                "checkpoint": loop_checkpoint(self.trainer), "old_totals": old_totals,
+                "loggers": logger_versions(self.trainer),
+            })
+        config = model.config
+        self._release(model, optimizer)
+        del model, optimizer
+        timer.lap("release")
+
+        moved: dict = {}
+
+        def transfer(world) -> None:
+            moved["dst"], moved["stats"] = run_transition(plan, world.rank, src, device=strategy.root_device)
+
+        world = manager.change_world(target_members, transfer)  # the engine empties `src` as it sends
+        timer.lap("transfer")
+        stats = moved["stats"]
+        if world is None:
+            self._detach()
+            return self._report(plan, old_cfg, target, [], stats, None, timer)
+
+        set_world(strategy, world.rank, world.world_size)
+        strategy._meshes.clear()  # every group of the old generation is gone
+        new_mesh = strategy._build_mesh(target, ranks=target_ranks)
+        new_model = strategy.meta_model(config, new_mesh, target)
+        timer.lap("build")
+        self._adopt(new_model, new_mesh, target, target_ranks, moved.pop("dst"), kept)
+        timer.lap("adopt")
+        verified = None
+        if old_totals is not None:
+            new_totals = reduce_sums(local_checksums(plan.new, me, collect_sources(new_model, self._optimizer())),
+                                     strategy.root_device)
+            verified = self._verified(differing(old_layout, old_totals, plan.new, new_totals), old_cfg, target)
+            timer.lap("verify")
+        gc.collect()
+        return self._report(plan, old_cfg, target, target_ranks, stats, verified, timer)
+
+    # ---- a process joining a running job ------------------------------------------------------------------
+    def join(self) -> None:
+        """Register, wait for admission, receive this process's shards and enter the target world.
+
+        Runs in `setup_environment`, before Lightning builds the model: the shards wait in `self.joined` for
+        `materialize`, the optimizer and Lightning's restore of the loop state.
+        """
+        strategy = self.strategy
+        manager = strategy.elastic
+        manager.register_joiner(strategy.member_info())
+        manager.mark_ready()
+        t, payload = manager.await_admission()
+        specs = decode_specs(payload["specs"])
+        old_layout = Layout.from_config(specs, ParallelConfig.parse(payload["old"]), rank_map=payload["old_ids"])
+        target = ParallelConfig.parse(payload["target"])
+        plan = plan_switch(old_layout, target, leave=payload["leave"], joiners=payload["joiners"],
+                           rank_map=payload["positions"], budget_bytes=payload["budget"])
+        me = payload["union"].index(manager.member_id)
+        moved: dict = {}
+
+        def transfer(world) -> None:
+            moved["dst"], moved["stats"] = run_transition(plan, world.rank, {}, device=strategy.root_device)
+
+        world = manager.join_world(t, transfer)
+        set_world(strategy, world.rank, world.world_size)
+        strategy.parallel_config = target
+        strategy.positions = list(payload["target_ranks"])
+        strategy._device_mesh = strategy._build_mesh(target, ranks=strategy.positions)
+        adopt_logger_versions(self.trainer or strategy.lightning_module.trainer, payload["loggers"])
+        self.joined = JoinState(
+            dst=moved["dst"], scalars=decode_scalars(payload["scalars"], strategy.root_device),
+            groups=payload["groups"], checkpoint=payload["checkpoint"], old_totals=payload["old_totals"],
+            old_layout=old_layout, new_layout=plan.new, process=me,
+        )
+
+    def adopt_joined_weights(self, model: Transformer) -> None:
+        allocate_model(model, self.strategy.root_device)
+        adopt_weights(model, self.joined.dst)
+
+    def adopt_joined_optimizer(self, model: Transformer) -> None:
+        """After `setup_optimizers`: moments, step and hyper-parameters as the members had them; then verify."""
+        joined, strategy = self.joined, self.strategy
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            for group, old in zip(optimizer.param_groups, joined.groups):
+                group.update(old)
+            install_optimizer_state(model, optimizer, joined.dst, joined.scalars)
+        if joined.old_totals is not None:
+            new_totals = reduce_sums(local_checksums(joined.new_layout, joined.process,
+                                                     collect_sources(model, optimizer)), strategy.root_device)
+            self._verified(differing(joined.old_layout, joined.old_totals, joined.new_layout, new_totals),
+                           joined.old_layout.config, strategy.parallel_config)
+
+    def on_train_start(self) -> None:
+        """A joiner, after Lightning restored the loop state (its schedulers were stepped before the switch, as
+        Lightning steps them before `on_train_batch_end`): lay out the data as the members did."""
+        if self.joined is None:
+            return
+        self.joined = None
+        strategy = self.strategy
+        self._move_data(strategy.parallel_config)
+        strategy.local_only = False
+
+    # ---- parts shared by the switches ---------------------------------------------------------------------
+    def _require_boundary(self) -> None:
+        if not self.at_boundary():
+            raise RuntimeError(
+                "a layout switch can only run at an optimizer-step boundary: use strategy.request_switch(), "
+                "which waits for the end of the current gradient accumulation"
+            )
+
+    def _current(self):
+        module = self.strategy.lightning_module
+        model = getattr(module, "model", None)
+        if not isinstance(model, Transformer):
+            raise TypeError("switch() moves a dynatrain Transformer held as `model` by the LightningModule; "
+                            f"found {type(model).__name__}")
+        return model, self._optimizer()
+
+    def _optimizer(self):
+        return self.strategy.optimizers[0] if self.strategy.optimizers else None
+
+    def _keep(self, model, optimizer) -> dict:
+        """What survives a switch besides the routed shards: Adam's step, hyper-parameters, schedules."""
+        return {
+            "scalars": scalar_states(model, optimizer),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if optimizer else [],
+            "schedulers": [cfg.scheduler.state_dict() for cfg in self.strategy.lr_scheduler_configs],
+        }
+
+    def _release(self, model, optimizer) -> None:
+        """Drop every reference to the old shards but the engine's, so it can free each after its last send."""
+        self.strategy.lightning_module.model = None
+        if optimizer is not None:
+            optimizer.state.clear()
+            for g in optimizer.param_groups:
+                g["params"] = []
+        self.strategy.optimizers = []
+        del model, optimizer
+        gc.collect()
+
+    def _adopt(self, new_model, new_mesh, target, positions, dst, kept) -> None:
+        strategy = self.strategy
+        module = strategy.lightning_module
         allocate_model(new_model, strategy.root_device)
         adopt_weights(new_model, dst)
         module.model = new_model
@@ -174,28 +439,34 @@ class Switcher:
         module._device_mesh = new_mesh
         strategy.parallel_config = target
         strategy.positions = positions
-        self._rebuild_optimizer(new_model, dst, scalars, groups, schedulers)
+        self._rebuild_optimizer(new_model, dst, kept["scalars"], kept["groups"], kept["schedulers"])
         self._move_data(target)
-        timer.lap("adopt")
 
-        verified = None
-        if old_sums is not None:
-            new_opt = strategy.optimizers[0] if strategy.optimizers else None
-            new_sums = local_checksums(plan.new, rank, collect_sources(new_model, new_opt))
-            bad = compare(old_layout, old_sums, plan.new, new_sums, device=strategy.root_device)
-            if bad:
-                raise SwitchVerificationError(
-                    f"switch {old_cfg.short()} -> {target.short()} changed {len(bad)} state(s), e.g. {bad[:5]}"
-                )
-            verified = True
-            timer.lap("verify")
-        gc.collect()
+    def _verified(self, bad: list[str], old_cfg: ParallelConfig, target: ParallelConfig) -> bool:
+        if bad:
+            raise SwitchVerificationError(
+                f"switch {old_cfg.short()} -> {target.short()} changed {len(bad)} state(s), e.g. {bad[:5]}"
+            )
+        return True
 
+    def _detach(self) -> None:
+        """A process that left: no model, no group; Lightning winds its loop down without collectives."""
+        strategy = self.strategy
+        strategy.detached = True
+        strategy._meshes.clear()
+        strategy._device_mesh = None
+        if self.trainer is not None:
+            self.trainer.should_stop = True
+        rank_zero_only.rank = fabric_rank_zero_only.rank = -1  # this process logs nothing more
+
+    def _report(self, plan, old_cfg, target, positions, stats, verified, timer) -> SwitchReport:
+        strategy = self.strategy
         report = SwitchReport(
             step=self.trainer.global_step if self.trainer else 0,
-            old_layout=old_cfg.short(), new_layout=target.short(), world_size=strategy.world_size,
+            old_layout=old_cfg.short(), new_layout=target.short(),
+            world_size=target.world_size if not getattr(strategy, "detached", False) else 0,
             bytes_total=plan.bytes_total, bytes_moved=plan.bytes_moved,
-            bytes_moved_identity=plan.bytes_moved_identity, rounds=plan.num_rounds, rank_map=positions,
+            bytes_moved_identity=plan.bytes_moved_identity, rounds=plan.num_rounds, rank_map=list(positions),
             peak_bytes=stats.peak_bytes, peak_bound=stats.peak_bound, verified=verified, phases=timer.phases,
         )
         strategy.switch_reports.append(report)
@@ -236,3 +507,9 @@ class Switcher:
             # The epoch now has a different number of micro-batches per rank.
             micro = getattr(datamodule, "micro_batch_size", 1)
             trainer.fit_loop.max_batches = self.accumulation_offset + sampler.remaining_in_epoch() // micro
+
+
+def _target_ranks(plan, union: list[str]) -> tuple[list[str], list[int]]:
+    """The target generation's members and, per new mesh position, its rank there (index in sorted members)."""
+    members = sorted(union[p] for p in plan.new.rank_map)
+    return members, [members.index(union[p]) for p in plan.new.rank_map]

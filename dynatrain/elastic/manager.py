@@ -1,0 +1,174 @@
+"""The elastic device manager of one process: its store connection, its member id and its world generation.
+
+Training processes that start together form generation 0 with member ids ``000000-<rank>``. A process that
+joins later takes the next number of the store's joiner counter (``000001-...``), so ids sort in arrival order
+and the members that stay keep the lowest ranks (rank 0 changes only when rank 0 leaves).
+
+A joiner registers (the job refuses another model or code version), gets ready, and waits; current members see
+it through :meth:`ready_joiners` and admit it in a world change. Everything a joiner needs to run the same
+switch as the current members (the old layout, the plan's inputs and the training-loop state) is written to
+the store under ``elastic/switch/<generation>`` before the transition is announced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dynatrain.elastic.store import connect
+from dynatrain.elastic.world import (
+    Transition,
+    WorldGeneration,
+    await_admission,
+    pending_joiners,
+    register,
+    union_then_target,
+)
+
+ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"
+TOKEN_ENV = "DYNATRAIN_TOKEN"
+JOIN_ENV = "DYNATRAIN_JOIN"  # set (to "1") in a process that joins a running job instead of starting one
+JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
+
+
+@dataclass
+class ElasticConfig:
+    """How a job changes its world.
+
+    Args:
+        max_devices: the most processes the job may grow to (None: no limit).
+        join_timeout: seconds a scale-out waits for enough ready joiners before it is dropped with a warning.
+        timeout: seconds to form a generation and for its collectives; a member that vanishes surfaces as a
+            clear error within it instead of a hang.
+        endpoint, token: the job's store (default: ``$DYNATRAIN_ENDPOINT``, ``$DYNATRAIN_TOKEN``).
+    """
+
+    max_devices: int | None = None
+    join_timeout: float = 300.0
+    timeout: float = 120.0
+    endpoint: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_devices is not None and self.max_devices < 1:
+            raise ValueError(f"elastic max_devices must be at least 1, got {self.max_devices}")
+        for name in ("join_timeout", "timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"elastic {name} must be positive seconds, got {getattr(self, name)}")
+
+    @classmethod
+    def parse(cls, value: "ElasticConfig | dict | bool | None") -> "ElasticConfig | None":
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown elastic option(s) {sorted(unknown)}; known: "
+                                 f"{sorted(cls.__dataclass_fields__)}")
+            return cls(**value)
+        raise TypeError(f"elastic= takes True, a dict of ElasticConfig fields or an ElasticConfig, got {value!r}")
+
+
+def initial_member(rank: int) -> str:
+    return f"000000-{rank:06d}"
+
+
+class ElasticManager:
+    def __init__(self, config: ElasticConfig) -> None:
+        self.config = config
+        endpoint = config.endpoint or os.environ.get(ENDPOINT_ENV)
+        token = config.token or os.environ.get(TOKEN_ENV)
+        if not endpoint or not token:
+            raise ValueError(
+                "elastic training needs the job's store: start it with `dynatrain fit --elastic.max_devices N ...` "
+                f"(which starts one), or set ${ENDPOINT_ENV} and ${TOKEN_ENV} as a launcher does"
+            )
+        self.endpoint, self.token = endpoint, token
+        self.store = connect(endpoint, token, timeout=config.timeout)
+        self.world: WorldGeneration | None = None
+        self.member_id: str | None = None
+        self.joining = os.environ.get(JOIN_ENV) == "1"
+
+    # ---- membership ---------------------------------------------------------------------------------------
+    def start(self, rank: int, world_size: int, info: dict) -> WorldGeneration:
+        """Form generation 0 with the processes the job started with."""
+        self.member_id = initial_member(rank)
+        register(self.store, self.member_id, info)
+        members = [initial_member(r) for r in range(world_size)]
+        self.world = WorldGeneration.join(self.store, 0, self.member_id, members, self.config.timeout)
+        return self.world
+
+    def register_joiner(self, info: dict) -> str:
+        """Register this process as a joiner (refused when its model or code differ from the job's)."""
+        n = self.store.add("elastic/joiner_seq", 1)
+        self.member_id = f"{n:06d}-{os.getpid()}"
+        register(self.store, self.member_id, info)
+        return self.member_id
+
+    def mark_ready(self) -> None:
+        self.store.set(f"elastic/ready/{self.member_id}", str(time.time()))
+
+    def ready_joiners(self) -> list[str]:
+        """Registered joiners that said they are ready, in arrival order."""
+        assert self.world is not None
+        pending = pending_joiners(self.store, self.world.members)
+        return sorted(m for m in pending if self.store.check([f"elastic/ready/{m}"]))
+
+    def drop_joiner(self, member_id: str, reason: str) -> None:
+        self.store.set(f"elastic/dropped/{member_id}", reason)
+        self.store.set(f"registry/left/{member_id}", "1")
+
+    # ---- a world change -----------------------------------------------------------------------------------
+    def publish(self, generation: int, payload: dict) -> None:
+        """What joiners need to run the switch; written before the transition is announced."""
+        self.store.set(f"elastic/switch/{generation}", json.dumps(payload))
+
+    def change_world(self, new_members: list[str], transfer) -> WorldGeneration | None:
+        """Every current member: union, ``transfer`` on it, then the target. None on a member that left."""
+        assert self.world is not None
+        self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout)
+        return self.world
+
+    def await_admission(self) -> tuple[Transition, dict]:
+        """A joiner: block until admitted (or dropped); return the transition and the switch payload."""
+        deadline = time.monotonic() + self.config.join_timeout
+        admit = f"admit/{self.member_id}"
+        # Poll with check(): a store wait() that times out logs a warning every time.
+        while not self.store.check([admit]):
+            if self.store.check([f"elastic/dropped/{self.member_id}"]):
+                reason = self.store.get(f"elastic/dropped/{self.member_id}").decode()
+                raise TimeoutError(f"joiner {self.member_id} was dropped by the job: {reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"joiner {self.member_id} was not admitted within {self.config.join_timeout:.0f}s: "
+                                   "no scale-out of the job asked for it")
+            time.sleep(0.2)
+        t = await_admission(self.store, self.member_id, timeout=self.config.timeout)
+        payload = json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
+        return t, payload
+
+    def join_world(self, t: Transition, transfer) -> WorldGeneration:
+        from dynatrain.elastic.world import run_transition
+
+        world = run_transition(t, store=self.store, member_id=self.member_id, transfer=transfer,
+                               timeout=self.config.timeout)
+        if world is None:
+            raise RuntimeError(f"joiner {self.member_id} was admitted to a transition that does not keep it")
+        self.world = world
+        return world
+
+
+def member_info(model_config: Any, code_version: str) -> dict[str, Any]:
+    """What a process registers with: the job refuses a joiner whose values differ."""
+    from dataclasses import asdict, is_dataclass
+
+    from dynatrain.elastic.world import config_hash
+
+    cfg = asdict(model_config) if is_dataclass(model_config) else model_config
+    return {"model_config_hash": config_hash(cfg), "code_version": code_version, "pid": os.getpid()}

@@ -1,0 +1,131 @@
+"""What a world change does to Lightning: ranks, devices, rank-zero duties, loggers, and a joiner's start.
+
+The bytes move in `Switcher.switch_world` (current members) and `join_running_job` (a new process); both run the
+same plan, built from the same inputs. Lightning is told about the new world here: the cluster environment
+reports the process's new rank and world size, `rank_zero_only` follows it, the progress bar moves to the new
+rank 0, and every logger keeps the run's version so the new rank 0 writes into the same run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from dynatrain.vps.layout import StateSpec
+
+if TYPE_CHECKING:
+    from dynatrain.strategies.dynatrain import DynaTrainStrategy
+
+
+class ElasticEnvironment(LightningEnvironment):
+    """Rank and world size set by the job's world generation; the device (local rank) never changes."""
+
+    def __init__(self, global_rank: int, world_size: int, local_rank: int) -> None:
+        super().__init__()
+        self._fixed_local_rank = local_rank
+        self.set_world_size(world_size)
+        self.set_global_rank(global_rank)
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    def local_rank(self) -> int:
+        return self._fixed_local_rank
+
+    def node_rank(self) -> int:
+        return 0
+
+
+def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None:
+    """Make Lightning see this process as ``rank`` of ``world_size``."""
+    env = strategy.cluster_environment
+    if not isinstance(env, ElasticEnvironment):
+        local = env.local_rank() if env is not None else 0
+        env = strategy.cluster_environment = ElasticEnvironment(rank, world_size, local)
+    env.set_world_size(world_size)
+    env.set_global_rank(rank)
+    strategy.parallel_devices = [strategy.root_device] * world_size
+    rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+    trainer = strategy._lightning_module.trainer if strategy._lightning_module is not None else None
+    bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+    if bar is not None:
+        bar.enable() if rank == 0 else bar.disable()
+
+
+def logger_versions(trainer: pl.Trainer | None) -> list[Any]:
+    """Each logger's version on this process (forcing its choice), to hand to a new rank 0."""
+    if trainer is None:
+        return []
+    return [getattr(lg, "version", None) for lg in trainer.loggers]
+
+
+def adopt_logger_versions(trainer: pl.Trainer | None, versions: list[Any]) -> None:
+    if trainer is None:
+        return
+    for lg, v in zip(trainer.loggers, versions):
+        if v is not None and hasattr(lg, "_version"):
+            lg._version = v
+
+
+# ---- what a joiner receives -----------------------------------------------------------------------------------
+def encode_specs(specs: tuple[StateSpec, ...]) -> list:
+    return [[s.name, list(s.shape), s.dtype, s.tp_dim, list(s.fused) if s.fused else None] for s in specs]
+
+
+def decode_specs(rows: list) -> tuple[StateSpec, ...]:
+    return tuple(StateSpec(n, tuple(shape), dtype, tp_dim, tuple(fused) if fused else None)
+                 for n, shape, dtype, tp_dim, fused in rows)
+
+
+def encode_scalars(scalars: dict[str, dict]) -> dict:
+    out = {}
+    for name, entries in scalars.items():
+        out[name] = {k: ({"tensor": v.item(), "dtype": str(v.dtype).removeprefix("torch.")}
+                         if isinstance(v, torch.Tensor) else v) for k, v in entries.items()}
+    return out
+
+
+def decode_scalars(encoded: dict, device: torch.device) -> dict[str, dict]:
+    out = {}
+    for name, entries in encoded.items():
+        out[name] = {k: (torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device=device)
+                         if isinstance(v, dict) and "tensor" in v else v) for k, v in entries.items()}
+    return out
+
+
+def loop_checkpoint(trainer: pl.Trainer) -> dict:
+    """The part of a Lightning checkpoint that is not model or optimizer state, as of the switch boundary."""
+    ckpt: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": pl.__version__,
+        "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+        "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+    }
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None:
+        ckpt[type(datamodule).__qualname__] = datamodule.state_dict()
+    return json.loads(json.dumps(ckpt))  # what crosses the store is JSON: fail here, not on the joiner
+
+
+@dataclass
+class JoinState:
+    """What a joiner holds between its transfer (in `setup_environment`) and Lightning's restore."""
+
+    dst: dict[str, torch.Tensor]
+    scalars: dict[str, dict]
+    groups: list[dict]
+    checkpoint: dict
+    old_totals: list[int] | None
+    old_layout: Any
+    new_layout: Any
+    process: int
+    report: dict = field(default_factory=dict)

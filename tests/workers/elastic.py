@@ -1,0 +1,102 @@
+"""One process of an elastic run: a member started with the job, or (DYNATRAIN_JOIN=1) a process joining it.
+
+``--switches "step:layout[:leave ranks];..."``: the i-th entry is requested at the first micro-batch of an
+optimizer step >= its step once the previous one has run; a joiner starts at entry ``--first``.
+"""
+
+import argparse
+import os
+import warnings
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+
+import dynatrain
+from dynatrain.data import LlamaDataModule
+from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
+from dynatrain.launcher import finish_rank
+from dynatrain.llama_lm import LlamaLM
+
+warnings.filterwarnings("ignore")
+
+
+class Script(pl.Callback):
+    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], first: int):
+        self.entries = entries
+        self.next = first
+        self.done_before = len(entries[:first])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        strategy = trainer.strategy
+        done = len(strategy.switch_reports) + self.done_before
+        if self.next < len(self.entries) and done == self.next and strategy._switcher.pending is None:
+            step, layout, leave = self.entries[self.next]
+            if trainer.global_step >= step:
+                strategy.request_switch(layout, leave=leave)
+                self.next += 1
+
+
+def main() -> None:
+    if os.environ.get("DYNATRAIN_DEBUG_STACKS"):
+        import faulthandler
+        import sys
+        import threading
+        import time
+
+        def dump() -> None:
+            while True:
+                time.sleep(float(os.environ["DYNATRAIN_DEBUG_STACKS"]))
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
+
+        threading.Thread(target=dump, daemon=True).start()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layout", default="auto")
+    ap.add_argument("--switches", default="")
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=24)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--static", action="store_true", help="no elastic manager: the reference run")
+    args = ap.parse_args()
+    entries = []
+    for item in filter(None, args.switches.split(";")):
+        parts = item.split(":")
+        leave = tuple(int(r) for r in parts[2].split(",")) if len(parts) > 2 and parts[2] else ()
+        entries.append((int(parts[0]), parts[1], leave))
+    joining = os.environ.get(JOIN_ENV) == "1"
+    world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
+    pl.seed_everything(1234, verbose=False)
+    strategy = dynatrain.DynaTrainStrategy(
+        parallel=args.layout, verify_switches=True, switch_budget_mb=0.5,
+        elastic=None if args.static else {"timeout": 60.0, "join_timeout": 120.0},
+    )
+    logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
+    script = Script(entries, args.first)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=logger,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[script],
+    )
+    module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
+    data = LlamaDataModule(seq_len=64, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
+                           max_corpus_bytes=400_000)
+    trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+    result = {
+        "losses": module.step_losses,
+        "left": strategy.detached,
+        "layout": strategy.parallel_config.short(),
+        "world_size": trainer.world_size,
+        "global_rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "reports": [r.as_dict() for r in strategy.switch_reports],
+        "member": strategy.elastic.member_id if strategy.elastic else None,
+        "log_dir": trainer.log_dir if logger else None,
+    }
+    del trainer, module
+    finish_rank(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
