@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/dynatrain fit --config recipes/llama-debug.yaml
+	$(VENV)/bin/dynatrain fit --config recipes/llama-debug-elastic.yaml --elastic.max_devices 4 --elastic.standby 2
 
 test: setup
 	$(PY) -m pytest -q tests

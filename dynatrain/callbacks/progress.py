@@ -38,5 +38,8 @@ class StepPrinter(pl.Callback):
             parts.append(f"tokens/s {float(metrics['train/tokens_per_s']):,.0f}")
         if "val/loss" in metrics:
             parts.append(f"val/loss {float(metrics['val/loss']):.4f}")
+        layout = getattr(trainer.strategy, "parallel_config", None)
+        if layout is not None:
+            parts.append(f"layout {layout.short()} on {trainer.world_size}")
         parts.append(f"{time.perf_counter() - self._start:.0f}s")
         rank_zero_info("  ".join(parts))

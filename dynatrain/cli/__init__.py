@@ -18,8 +18,9 @@ def _own_parser() -> argparse.ArgumentParser:
         f"Training: dynatrain {{{','.join(LIGHTNING_COMMANDS)}}} --config RECIPE.yaml (see `dynatrain fit --help`).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from dynatrain.cli import plan, scale, selfcheck
+    from dynatrain.cli import join, plan, scale, selfcheck
 
+    join.add_parser(sub)
     plan.add_parser(sub)
     scale.add_parser(sub)
     selfcheck.add_parser(sub)
@@ -28,6 +29,16 @@ def _own_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHTNING_COMMANDS and any(a.startswith("--elastic.") for a in argv):
+        from dynatrain.cli.elastic import ElasticLauncher, split_elastic_args
+
+        try:
+            opts, rest = split_elastic_args(argv)
+            launcher = ElasticLauncher(opts, rest)
+        except ValueError as e:
+            print(f"dynatrain {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
+        return launcher.run()
     if argv and argv[0] in LIGHTNING_COMMANDS:
         from dynatrain.cli.train import run_lightning_cli
 

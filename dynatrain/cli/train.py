@@ -10,6 +10,24 @@ from lightning.pytorch.utilities import rank_zero_info
 from dynatrain.launcher import teardown_distributed
 
 
+def _summarise_switches(trainer) -> None:
+    """The switch table, and the loss curve with the switches marked, written next to the switch log."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from dynatrain.callbacks.switch_log import SwitchLog, format_switch_table, plot_loss_with_switches
+
+    log = next((cb for cb in trainer.callbacks if isinstance(cb, SwitchLog)), None)
+    if log is None or not log.records or log.jsonl_path is None:
+        return
+    rank_zero_info("switches:\n" + format_switch_table(log.records))
+    csv = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+    if csv is not None:
+        csv.finalize("success")
+        png = log.run_dir / "loss_switches.png"
+        plot_loss_with_switches(os.path.join(csv.log_dir, "metrics.csv"), log.jsonl_path, png)
+        rank_zero_info(f"loss curve with switches: {os.path.abspath(png)}")
+
+
 def run_lightning_cli(argv: list[str]) -> int:
     import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
     from dynatrain.data import LlamaDataModule
@@ -32,6 +50,7 @@ def run_lightning_cli(argv: list[str]) -> int:
         for logger in trainer.loggers:
             where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
             rank_zero_info(f"{type(logger).__name__} logs: {os.path.abspath(where)}" if where else "")
+        _summarise_switches(trainer)
     del cli, trainer
     teardown_distributed()
     return 0

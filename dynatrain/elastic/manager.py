@@ -30,6 +30,7 @@ from dynatrain.elastic.world import (
 
 ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"
 TOKEN_ENV = "DYNATRAIN_TOKEN"
+ELASTIC_ENV = "DYNATRAIN_ELASTIC"  # the launcher's ElasticConfig (JSON), for strategies created without one
 JOIN_ENV = "DYNATRAIN_JOIN"  # set (to "1") in a process that joins a running job instead of starting one
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
 
@@ -61,6 +62,8 @@ class ElasticConfig:
 
     @classmethod
     def parse(cls, value: "ElasticConfig | dict | bool | None") -> "ElasticConfig | None":
+        if value is None and os.environ.get(ELASTIC_ENV):
+            value = json.loads(os.environ[ELASTIC_ENV])
         if value is None or value is False:
             return None
         if value is True:

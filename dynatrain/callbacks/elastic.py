@@ -1,0 +1,620 @@
+"""`ElasticCallback`: resource-change signals in, one agreed layout switch out, at an optimizer-step boundary.
+
+Each rank hears its own signals (`dynatrain.elastic.signals`): the control server and the watched file on global
+rank 0, a preemption signal on every rank, the scripted trace on every rank. At a step boundary every rank puts
+its pending request in a fixed-size slot and all slots are all-gathered, so all ranks merge the same inputs and
+reach the same decision without a second round:
+
+* the ranks that announced they leave are united;
+* the latest target (``devices`` or ``layout``) wins, by wall-clock time of receipt, then lower rank;
+* an explicit layout is taken as it is; a device count (or, for a bare preemption, the current world minus the
+  leaving ranks) goes to the layout planner, which on the same device count switches only when it pays;
+* the target goes to ``strategy.request_switch``; anything the planner or the strategy refuses is logged and
+  recorded, and training goes on.
+
+    trainer = Trainer(strategy=DynaTrainStrategy(parallel="dp_shard=4"),
+                      callbacks=[ElasticCallback(trace=[(100, 2), (300, "dp_shard=2,tp=2")], control=True)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+
+from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
+from dynatrain.elastic.signals import (
+    ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource,
+)
+from dynatrain.planner.layouts import GiB, Devices, LayoutPolicy, Workload
+from dynatrain.planner.network import NetworkModel
+from dynatrain.vps.parallel_config import ParallelConfig
+
+LOGGER = logging.getLogger("dynatrain.elastic")
+
+SLOT_BYTES = 4096
+MAX_REASON = 512
+TOKEN_ENV = "DYNATRAIN_TOKEN"
+NEEDS_ELASTIC = "changing the device count needs the elastic device manager"
+
+
+# ---------------------------------------------------------------------------------------------- agreement
+@dataclass(frozen=True)
+class Proposal:
+    """One rank's pending request as every rank receives it.
+
+    ``wall_time`` replaces the request's monotonic ``received_at`` (meaningless in another process);
+    ``deadline_in`` is the seconds left, at sending, before a preempted rank dies.
+    """
+
+    rank: int
+    devices: int | None = None
+    layout: str | None = None
+    leave: tuple[int, ...] = ()
+    source: str = "control"
+    reason: str = ""
+    wall_time: float = 0.0
+    deadline_in: float | None = None
+
+    @classmethod
+    def from_request(cls, rank: int, request: ScaleRequest, now_wall: float | None = None,
+                     now_mono: float | None = None) -> "Proposal":
+        now_wall = time.time() if now_wall is None else now_wall
+        now_mono = time.monotonic() if now_mono is None else now_mono
+        deadline_in = None if request.deadline is None else request.deadline - now_mono
+        return cls(rank, request.devices, request.layout, request.leave, request.source,
+                   request.reason[:MAX_REASON], now_wall - (now_mono - request.received_at), deadline_in)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Proposal":
+        return cls(**{**d, "leave": tuple(d.get("leave") or ())})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one rank contributes at a boundary: its request, if any, and whether it runs the listening sources
+    (control server, watched file), so the ranks notice when the process that ran them has left."""
+
+    proposal: Proposal | None = None
+    listening: bool = False
+
+
+def encode_slot(slot: Slot, size: int = SLOT_BYTES) -> torch.Tensor:
+    """A ``size``-byte uint8 tensor: 4 bytes of length, then the slot as JSON."""
+    body = {"proposal": None if slot.proposal is None else asdict(slot.proposal), "listening": slot.listening}
+    data = json.dumps(body, separators=(",", ":")).encode()
+    if len(data) + 4 > size:
+        raise ValueError(f"a scale request of {len(data)} bytes does not fit the {size}-byte agreement slot")
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    out[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
+def decode_slot(tensor: torch.Tensor) -> Slot:
+    raw = bytes(tensor.tolist())
+    body = json.loads(raw[4:4 + int.from_bytes(raw[:4], "little")].decode())
+    proposal = body["proposal"]
+    return Slot(None if proposal is None else Proposal.from_dict(proposal), bool(body["listening"]))
+
+
+@dataclass(frozen=True)
+class MergedRequest:
+    """What all ranks agreed was asked: one target (or none: a bare preemption) and every leaving rank."""
+
+    devices: int | None
+    layout: str | None
+    leave: tuple[int, ...]
+    source: str                  # the source of the winning target ("preemption" when only ranks leave)
+    reason: str
+    origin_rank: int
+    wall_time: float             # when the winning request was received (earliest preemption when no target)
+    sources: tuple[str, ...]     # every source that contributed, in rank order
+    deadline_in: float | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.devices is not None:
+            parts.append(f"devices={self.devices}")
+        if self.layout is not None:
+            parts.append(f"layout={self.layout}")
+        if self.leave:
+            parts.append(f"leave={','.join(map(str, self.leave))}")
+        return " ".join(parts)
+
+
+def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | None:
+    """The one request every rank acts on; the same on every rank whatever the order of ``proposals``."""
+    got = sorted((p for p in proposals if p is not None), key=lambda p: p.rank)
+    if not got:
+        return None
+    leave = tuple(sorted({r for p in got for r in p.leave}))
+    deadlines = [p.deadline_in for p in got if p.deadline_in is not None]
+    targeted = [p for p in got if p.devices is not None or p.layout is not None]
+    # Latest wins; equal times (the same trace entry on every rank) go to the lowest rank.
+    win = max(targeted, key=lambda p: (p.wall_time, -p.rank)) if targeted else \
+        min(got, key=lambda p: (p.wall_time, p.rank))
+    sources = tuple(dict.fromkeys(p.source for p in got))
+    return MergedRequest(
+        devices=win.devices if targeted else None, layout=win.layout if targeted else None, leave=leave,
+        source=win.source, reason=win.reason, origin_rank=win.rank, wall_time=win.wall_time, sources=sources,
+        deadline_in=min(deadlines) if deadlines else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- decision
+@dataclass
+class Decision:
+    """What the job did about one agreed request. ``action``: ``switch``, ``keep`` or ``reject``."""
+
+    step: int
+    action: str
+    request: str
+    source: str
+    reason: str
+    target: str | None = None
+    leave: tuple[int, ...] = ()
+    sources: tuple[str, ...] = ()
+    signal_to_decision_s: float | None = None
+    agreement_s: float | None = None
+    report_index: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The target a merged request turns into, or why there is none (``target`` None)."""
+
+    action: str
+    target: ParallelConfig | None
+    reason: str
+
+
+def plan_target(merged: MergedRequest, current: ParallelConfig, world: int, *,
+                planner: Callable[[int, tuple[int, ...]], Any], can_change_world: bool) -> Plan:
+    """Turn the agreed request into a target layout (pure apart from ``planner``).
+
+    ``planner(count, leave)`` returns a `LayoutDecision` for ``count`` devices (ValueError when it cannot
+    plan). ``can_change_world``: the strategy can add or drop processes (its ``request_switch`` takes ``leave``).
+    """
+    leave = merged.leave
+    if merged.layout is not None:
+        target = ParallelConfig.parse(merged.layout)
+        if target == current and not leave:
+            return Plan("keep", None, f"already on {current.short()}")
+        reason = f"layout {target.short()} requested"
+    else:
+        count = merged.devices if merged.devices is not None else world - len(leave)
+        if count < 1:
+            raise ValueError(f"ranks {','.join(map(str, leave))} leave and no process would be left")
+        decision = planner(count, leave)
+        target = decision.target
+        if not decision.changes and not leave:
+            return Plan("keep", None, decision.reason)
+        reason = f"planner, {count} device(s): {decision.reason}"
+    if (target.world_size != world or leave) and not can_change_world:
+        raise ValueError(f"{NEEDS_ELASTIC}: {merged.describe()} asks to run on {target.world_size} of "
+                         f"{world} processes")
+    return Plan("switch", target, reason)
+
+
+def workload_for(trainer: pl.Trainer) -> Workload:
+    """The planner's view of the job: the model, and sequence length and batch sizes from the data module."""
+    strategy = trainer.strategy
+    config = strategy.model_config() if hasattr(strategy, "model_config") else None
+    if config is None:
+        raise ValueError("the layout planner needs the model config: the LightningModule has no `model_config`")
+    data = getattr(trainer, "datamodule", None)
+    missing = [a for a in ("seq_len", "global_batch_size", "micro_batch_size") if not hasattr(data, a)]
+    if missing:
+        raise ValueError(f"the layout planner needs {', '.join(missing)} from the data module (a LlamaDataModule)")
+    policy = getattr(strategy, "mp_policy", None)
+    compute = _dtype_name(getattr(policy, "param_dtype", None)) or \
+        ("bfloat16" if "bf16" in str(trainer.precision) else "float32")
+    reduce = _dtype_name(getattr(policy, "reduce_dtype", None)) or "float32"
+    return Workload(config, seq_len=data.seq_len, global_batch=data.global_batch_size,
+                    micro_batch=data.micro_batch_size, compute_dtype=compute, reduce_dtype=reduce,
+                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)))
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def accepts_leave(request_switch: Callable) -> bool:
+    try:
+        params = inspect.signature(request_switch).parameters
+    except (TypeError, ValueError):
+        return False
+    return "leave" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+# ---------------------------------------------------------------------------------------------- callback
+class ElasticCallback(pl.Callback):
+    """Rescale or re-layout a `DynaTrainStrategy` run when resources change.
+
+    Args:
+        trace: scripted ``[(step, devices or layout), ...]`` or ``[{step: N, devices: D}, ...]``; an entry
+            fires at the first checked boundary at or after its step (after that many optimizer steps). A run
+            resumed at step k fires the entries up to k at its first boundary, coalesced: the latest wins.
+        watch_file: a JSON file (``{"devices": 3}`` or ``{"layout": "..."}``) watched on rank 0; a path, or
+            ``{path, poll_seconds}``.
+        control: ``True`` or ``{host, port, token | token_file, allow_remote}``: an HTTP endpoint on rank 0 for
+            ``dynatrain scale``. The token comes from ``token``, else ``token_file`` (created with a fresh token
+            when missing), else ``$DYNATRAIN_TOKEN``, else a fresh one in ``<run dir>/control.token``. The
+            endpoint and token file are written to ``<run dir>/control.json``.
+        preemption: ``True`` or ``{signum, grace_seconds}``: the signal (SIGTERM by default) tells a rank it
+            goes away within the grace period; the job scales in without it.
+        max_devices: requests for more devices are refused.
+        check_every_n_steps: agree on pending requests every this many optimizer steps (one small collective).
+        horizon_steps: steps a new layout is expected to run; weighs a same-size re-layout against its cost.
+        switch_fixed_seconds: a switch's stall besides moving bytes (rebuilding model and optimizer, agreeing),
+            for the same weighing.
+        device_memory_gb, devices_per_node, device_flops, device_efficiency, intra_node_gbps, inter_node_gbps:
+            the devices as the layout planner sees them; defaults describe CPU processes on one machine
+            (``devices_per_node`` None: all on one node).
+        log_dir: run directory for ``switches.jsonl`` and ``control.json``; default the trainer's log dir.
+    """
+
+    def __init__(
+        self,
+        trace: Sequence[Any] | None = None,
+        watch_file: str | os.PathLike | dict | None = None,
+        control: bool | dict = False,
+        preemption: bool | dict = False,
+        max_devices: int | None = None,
+        check_every_n_steps: int = 1,
+        horizon_steps: int = 200,
+        switch_fixed_seconds: float = 1.0,
+        device_memory_gb: float = 4.0,
+        devices_per_node: int | None = None,
+        device_flops: float = 50e9,
+        device_efficiency: float = 0.5,
+        intra_node_gbps: float = 20.0,
+        inter_node_gbps: float = 10.0,
+        log_dir: str | None = None,
+    ) -> None:
+        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) \
+                or check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be a positive integer, got {check_every_n_steps!r}")
+        self.hub = SignalHub(max_devices)  # validates max_devices
+        self.max_devices = max_devices
+        self.trace_entries = list(trace or [])
+        TraceSource(self.trace_entries, max_devices)  # a bad trace fails here, before any training
+        self.watch = _watch_options(watch_file)
+        self.control = _options(control, "control", {"host", "port", "token", "token_file", "allow_remote"})
+        self.preemption = _options(preemption, "preemption", {"signum", "grace_seconds"})
+        self.check_every_n_steps = check_every_n_steps
+        self.policy = LayoutPolicy(horizon_steps=horizon_steps, fixed_seconds=switch_fixed_seconds)
+        self.device_spec = dict(memory_bytes=int(device_memory_gb * GiB), per_node=devices_per_node,
+                                flops=device_flops, efficiency=device_efficiency,
+                                intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps)
+        self.devices_for(1)  # check the device description now
+        self.log_dir = log_dir
+        self.decisions: list[Decision] = []
+        self.switch_log: SwitchLog | None = None
+        self.control_server: ControlServer | None = None
+        self.control_endpoint: str | None = None
+        self.token_file: Path | None = None
+        self.run_dir: Path | None = None
+        self._trace: TraceSource | None = None
+        self._skip_past_trace = False
+        self._listeners: list[Any] = []
+        self._preemption_source: PreemptionSource | None = None
+        self._listen_error: str | None = None
+        self._last_checked: int | None = None
+
+    # ---- planner inputs -----------------------------------------------------------------------------------
+    def devices_for(self, count: int) -> Devices:
+        spec = self.device_spec
+        per_node = spec["per_node"] or count
+        network = NetworkModel(gpus_per_node=per_node, link_gbps=spec["inter_node_gbps"], nics_per_node=1,
+                               intra_node_gbps=spec["intra_node_gbps"], round_latency_s=1e-4)
+        return Devices(count, spec["memory_bytes"], per_node, spec["flops"], spec["efficiency"], network)
+
+    @property
+    def rejections(self) -> list[Decision]:
+        """Requests that were agreed on but refused (by the planner, the strategy or this callback)."""
+        return [d for d in self.decisions if d.action == "reject"]
+
+    # ---- Lightning hooks ----------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not hasattr(trainer.strategy, "request_switch"):
+            raise TypeError(f"ElasticCallback needs a strategy that can switch layouts (DynaTrainStrategy), "
+                            f"got {type(trainer.strategy).__name__}")
+        found = [cb for cb in trainer.callbacks if isinstance(cb, SwitchLog)]
+        if found:
+            self.switch_log = found[0]
+        else:
+            self.switch_log = SwitchLog(log_dir=self.log_dir)
+            trainer.callbacks.append(self.switch_log)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.run_dir = resolve_run_dir(trainer, self.log_dir)  # a collective: before any rank-0-only branch
+        self._last_checked = None
+        self._trace = TraceSource(self.trace_entries, self.max_devices)
+        # A process joining a running job (the strategy keeps its collectives local until training starts) must
+        # not replay trace entries the members acted on before it came.
+        self._skip_past_trace = bool(getattr(trainer.strategy, "local_only", False))
+        try:
+            self._start_sources(trainer)
+        except BaseException:
+            self.close()
+            raise
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if getattr(trainer.strategy, "detached", False):
+            self.close()  # this process has left the job: it no longer takes requests
+            return
+        switcher = getattr(trainer.strategy, "_switcher", None)
+        if switcher is None or not switcher.at_boundary():
+            return
+        step = trainer.global_step
+        if step == self._last_checked or step % self.check_every_n_steps:
+            return
+        self._last_checked = step
+        self.check(trainer, step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Here, not only in on_fit_end: Lightning's teardown, which runs between the two, puts back every signal
+        # handler it found at start, and ours must be gone by then for each to restore the right one.
+        self.close()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.close()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every source (idempotent); a failure to stop one is logged, never raised into training."""
+        try:
+            self.hub.close()
+        except Exception:
+            LOGGER.exception("stopping the elastic signal sources failed")
+        self.control_server = None
+        self._listeners = []
+        self._preemption_source = None
+
+    # ---- sources ------------------------------------------------------------------------------------------
+    def _start_sources(self, trainer: pl.Trainer) -> None:
+        rank = trainer.global_rank
+        if self.preemption is not None:
+            # Here and not in setup: Lightning installs its own SIGTERM handler during setup, which would stop
+            # training instead of scaling in; ours replaces it and puts it back on close.
+            signum = _signum(self.preemption.get("signum", signal.SIGTERM))
+            self._preemption_source = PreemptionSource(self.hub, rank, signum,
+                                                       float(self.preemption.get("grace_seconds", 30.0)))
+        if rank == 0 and not getattr(trainer.strategy, "local_only", False):
+            self._start_listeners(self.run_dir)
+
+    @property
+    def _wants_listeners(self) -> bool:
+        return self.control is not None or self.watch is not None
+
+    def _start_listeners(self, run_dir: Path) -> None:
+        if self.control is not None:
+            self._listeners.append(self._start_control(run_dir))
+        if self.watch is not None:
+            self._listeners.append(FileSource(self.hub, self.watch["path"],
+                                              poll_seconds=float(self.watch.get("poll_seconds", 0.5))))
+
+    def _take_over_listeners(self, trainer: pl.Trainer, slots: Sequence[Slot]) -> None:
+        """Start the control server and file watcher here when no rank runs them (the process that did left).
+
+        A failure (the old server's port not yet free) is logged once and retried at the next check.
+        """
+        if not self._wants_listeners or trainer.global_rank != 0 or any(s.listening for s in slots):
+            return
+        try:
+            self._start_listeners(self.run_dir or Path(trainer.default_root_dir))
+        except OSError as err:
+            for source in self._listeners:
+                source.close()
+            self._listeners = []
+            if self._listen_error != str(err):
+                LOGGER.warning("cannot start the control server / file watcher on this rank yet: %s", err)
+            self._listen_error = str(err)
+            return
+        self._listen_error = None
+        rank_zero_info("the control server and file watcher moved to this process (the previous rank 0 left)")
+
+    def _start_control(self, run_dir: Path) -> ControlServer:
+        opts = self.control
+        token = self._token(opts, run_dir)
+        server = ControlServer(self.hub, token, host=opts.get("host", "127.0.0.1"), port=int(opts.get("port", 0)),
+                               allow_remote=bool(opts.get("allow_remote", False)))
+        self.control_server, self.control_endpoint = server, server.endpoint
+        info = {"endpoint": server.endpoint, "token_file": str(self.token_file) if self.token_file else None}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "control.json").write_text(json.dumps(info) + "\n")
+        where = f"token in {self.token_file}" if self.token_file else "the token you configured"
+        rank_zero_info(f"scale requests: dynatrain scale --endpoint {server.endpoint} --devices N ({where})")
+        return server
+
+    def _token(self, opts: dict, run_dir: Path) -> str:
+        if opts.get("token"):
+            return str(opts["token"])
+        if opts.get("token_file"):
+            self.token_file = Path(opts["token_file"])
+            return _read_or_create_token(self.token_file)
+        if os.environ.get(TOKEN_ENV):
+            return os.environ[TOKEN_ENV]
+        self.token_file = run_dir / "control.token"
+        return _read_or_create_token(self.token_file, fresh=True)
+
+    # ---- the boundary -------------------------------------------------------------------------------------
+    def check(self, trainer: pl.Trainer, step: int) -> Decision | None:
+        """Agree on pending requests and act on them; every rank calls it at the same boundary."""
+        start = time.perf_counter()
+        due = self._trace.due(step) if self._trace is not None else []
+        if not self._skip_past_trace:
+            for request in due:
+                self.hub.submit(request)
+        self._skip_past_trace = False
+        slots = self._exchange(trainer, Slot(self._local_proposal(trainer), bool(self._listeners)))
+        self._take_over_listeners(trainer, slots)
+        merged = merge_proposals([slot.proposal for slot in slots])
+        if merged is None:
+            return None
+        decision = self._decide(trainer, merged, step)
+        decision.agreement_s = time.perf_counter() - start
+        decision.signal_to_decision_s = max(0.0, time.time() - merged.wall_time)
+        self._record(trainer, decision)
+        return decision
+
+    def _local_proposal(self, trainer: pl.Trainer) -> Proposal | None:
+        rank = trainer.global_rank
+        renumbered = self._follow_rank(rank)
+        request = self.hub.poll()
+        if request is None:
+            return None
+        if renumbered is not None and renumbered in request.leave:
+            request = dataclasses.replace(request, leave=tuple(set(request.leave) - {renumbered} | {rank}))
+        proposal = Proposal.from_request(rank, request)
+        try:
+            encode_slot(Slot(proposal, True))
+        except ValueError as err:
+            # Refuse it here rather than fail the collective every rank is about to enter.
+            self.hub.reject(request.source, str(err), request)
+            return None
+        return proposal
+
+    def _follow_rank(self, rank: int) -> int | None:
+        """Keep the preemption source naming this process after a world change renumbered the ranks; returns
+        the rank it named before, which a signal that came in the meantime still carries."""
+        source = self._preemption_source
+        if source is None or source.rank == rank:
+            return None
+        previous, source.rank = source.rank, rank
+        return previous
+
+    def _exchange(self, trainer: pl.Trainer, slot: Slot) -> list[Slot]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [slot]
+        # An elastic world may give its control traffic a group of its own; None is the default group.
+        group = getattr(trainer.strategy, "control_group", None)
+        size = dist.get_world_size(group)
+        gathered = torch.empty(size * SLOT_BYTES, dtype=torch.uint8)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, encode_slot(slot), group=group)
+        return [decode_slot(gathered[i * SLOT_BYTES:(i + 1) * SLOT_BYTES]) for i in range(size)]
+
+    def _decide(self, trainer: pl.Trainer, merged: MergedRequest, step: int) -> Decision:
+        strategy = trainer.strategy
+        base = dict(step=step, request=merged.describe(), source=merged.source, leave=merged.leave,
+                    sources=merged.sources)
+        can_change_world = accepts_leave(strategy.request_switch)
+        try:
+            plan = plan_target(merged, strategy.parallel_config, strategy.world_size,
+                               planner=lambda count, leave: self._plan_layout(trainer, count, leave),
+                               can_change_world=can_change_world)
+            if plan.target is None:
+                return Decision(action="keep", reason=plan.reason, **base)
+            report_index = len(strategy.switch_reports)
+            if can_change_world:
+                target = strategy.request_switch(plan.target, leave=merged.leave)
+            else:
+                target = strategy.request_switch(plan.target)
+        except ValueError as err:
+            return Decision(action="reject", reason=str(err), **base)
+        # The fixed-world strategy returns the validated layout; take the plan's when a strategy returns nothing.
+        target = ParallelConfig.parse(target) if isinstance(target, (str, ParallelConfig)) else plan.target
+        return Decision(action="switch", target=target.short(), reason=f"{plan.reason} ({merged.reason})",
+                        report_index=report_index, **base)
+
+    def _plan_layout(self, trainer: pl.Trainer, count: int, leave: tuple[int, ...]):
+        strategy = trainer.strategy
+        positions = getattr(strategy, "positions", None)
+        policy = self.policy
+        budget = getattr(strategy, "switch_budget_bytes", None)
+        if budget is not None and budget != policy.budget_bytes:
+            policy = LayoutPolicy(policy.horizon_steps, policy.cost, budget, policy.fixed_seconds, policy.max_priced)
+        return policy.decide(self.devices_for(count), workload_for(trainer), strategy.parallel_config,
+                             rank_map=positions, leave=leave)
+
+    def _record(self, trainer: pl.Trainer, decision: Decision) -> None:
+        self.decisions.append(decision)
+        if decision.action == "switch" and self.switch_log is not None:
+            self.switch_log.note_decision(decision.report_index, {
+                k: v for k, v in decision.as_dict().items() if k not in ("report_index",)})
+        if trainer.global_rank != 0:
+            return
+        text = f"step {decision.step}: {decision.source} request {decision.request}: "
+        if decision.action == "reject":
+            LOGGER.warning(text + "rejected: %s", decision.reason)
+        elif decision.action == "keep":
+            rank_zero_info(text + f"layout kept: {decision.reason}")
+        else:
+            rank_zero_info(text + f"switching to {decision.target}: {decision.reason}")
+
+
+# ---------------------------------------------------------------------------------------------- options
+def _options(value: bool | dict | None, name: str, keys: set[str]) -> dict | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be true, false or a mapping of {', '.join(sorted(keys))}; got {value!r}")
+    unknown = sorted(set(value) - keys)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(keys))}")
+    return dict(value)
+
+
+def _watch_options(value: str | os.PathLike | dict | None) -> dict | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return {"path": os.fspath(value)}
+    opts = _options(value, "watch_file", {"path", "poll_seconds"})
+    if not opts or not opts.get("path"):
+        raise ValueError(f"watch_file needs a path, got {value!r}")
+    return opts
+
+
+def _signum(value: int | str) -> signal.Signals:
+    if isinstance(value, str):
+        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+        try:
+            return signal.Signals[name]
+        except KeyError:
+            raise ValueError(f"unknown signal {value!r}") from None
+    return signal.Signals(value)
+
+
+def _read_or_create_token(path: Path, fresh: bool = False) -> str:
+    """The token in ``path``; a new random one written there (owner-only) when missing or ``fresh``."""
+    if path.exists() and not fresh:
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"token file {path} is empty")
+        return token
+    token = secrets.token_urlsafe(24)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token

@@ -1,0 +1,322 @@
+"""Layout switches into every Lightning logger, a W&B table, ``switches.jsonl``, and the progress bar.
+
+`SwitchLog` watches ``trainer.strategy.switch_reports`` and logs each new `SwitchReport` once, at the step the
+switch happened. It works alone (a fixed recipe of ``request_switch`` calls) and under `ElasticCallback`, which
+adds the decision behind each switch (signal, source, reason). The report holds this rank's bytes, peak memory
+and timings; rank 0's are logged.
+
+`format_switch_table` and `plot_loss_with_switches` summarise a finished run (``switches.jsonl`` and Lightning's
+CSV ``metrics.csv``).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
+
+from dynatrain.vps.parallel_config import ParallelConfig
+
+JSONL_NAME = "switches.jsonl"
+TABLE_KEY = "switch/table"
+TABLE_COLUMNS = ("step", "old_layout", "new_layout", "old_world_size", "world_size", "stall_s", "bytes_moved",
+                 "bytes_moved_identity", "peak_bytes", "verified", "source", "reason", "phases")
+
+
+# ------------------------------------------------------------------------------------------------ records
+def report_dict(report: Any) -> dict:
+    """A `SwitchReport` (or a dict already, e.g. a line of ``switches.jsonl``) as a plain dict with stall_s."""
+    if isinstance(report, Mapping):
+        out = dict(report)
+    elif hasattr(report, "as_dict"):
+        out = report.as_dict()
+    else:
+        out = dataclasses.asdict(report)
+    out.setdefault("stall_s", sum((out.get("phases") or {}).values()))
+    return out
+
+
+def _world_of(layout: str | None) -> int | None:
+    # A layout's product of dimensions is the world it runs on, so old and new world sizes need no extra field.
+    try:
+        return ParallelConfig.parse(layout).world_size if layout else None
+    except ValueError:
+        return None
+
+
+def switch_record(report: Any, decision: Mapping | None = None) -> dict:
+    """One line of ``switches.jsonl``: the report's fields, both world sizes, the decision behind it if any."""
+    d = report_dict(report)
+    record = {
+        "step": d.get("step"),
+        "old_layout": d.get("old_layout"),
+        "new_layout": d.get("new_layout"),
+        "old_world_size": d.get("old_world_size") or _world_of(d.get("old_layout")),
+        "world_size": d.get("world_size") or _world_of(d.get("new_layout")),
+        "phases": dict(d.get("phases") or {}),
+        "stall_s": d.get("stall_s"),
+        "bytes_total": d.get("bytes_total"),
+        "bytes_moved": d.get("bytes_moved"),
+        "bytes_moved_identity": d.get("bytes_moved_identity"),
+        "peak_bytes": d.get("peak_bytes"),
+        "peak_bound": d.get("peak_bound"),
+        "rounds": d.get("rounds"),
+        "rank_map": d.get("rank_map"),
+        "verified": d.get("verified"),
+        "decision": dict(decision) if decision else None,
+    }
+    return record
+
+
+def switch_metrics(record: Mapping) -> dict[str, float]:
+    """The ``switch/...`` metrics of one record; fields the report left empty are left out, not logged as 0."""
+    out: dict[str, float] = {}
+    for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size"):
+        if record.get(key) is not None:
+            out[f"switch/{key}"] = float(record[key])
+    for phase, seconds in (record.get("phases") or {}).items():
+        out[f"switch/{phase}_s"] = float(seconds)
+    out["switch/verified"] = 1.0 if record.get("verified") else 0.0
+    decision = record.get("decision") or {}
+    for key in ("agreement_s", "signal_to_decision_s"):
+        if decision.get(key) is not None:
+            out[f"switch/{key}"] = float(decision[key])
+    return out
+
+
+def _table_row(record: Mapping) -> list:
+    decision = record.get("decision") or {}
+    values = {**record, "source": decision.get("source", "direct"), "reason": decision.get("reason", ""),
+              "phases": json.dumps(record.get("phases") or {}, sort_keys=True)}
+    return [values.get(column) for column in TABLE_COLUMNS]
+
+
+def read_switches(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``switches.jsonl``, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ callback
+class SwitchLog(pl.Callback):
+    """Log every layout switch of a `DynaTrainStrategy` run once, at the step it happened.
+
+    Args:
+        log_dir: where ``switches.jsonl`` goes; default ``trainer.log_dir`` (the first logger's run
+            directory), else ``trainer.default_root_dir``.
+        wandb_table: also log a ``wandb.Table`` of all switches so far to every W&B logger.
+        progress_bar: show the current layout in the progress bar as ``layout``.
+    """
+
+    def __init__(self, log_dir: str | None = None, wandb_table: bool = True, progress_bar: bool = True) -> None:
+        self.log_dir = log_dir
+        self.wandb_table = wandb_table
+        self.progress_bar = progress_bar
+        self.run_dir: Path | None = None
+        self.records: list[dict] = []
+        self._logged = 0
+        self._decisions: dict[int, dict] = {}
+        self._bar: tuple[Any, bool, Any] | None = None
+
+    @property
+    def jsonl_path(self) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / JSONL_NAME
+
+    def note_decision(self, report_index: int, decision: Mapping) -> None:
+        """Attach what caused the switch whose report will land at ``strategy.switch_reports[report_index]``."""
+        self._decisions[report_index] = dict(decision)
+
+    def _decision_for(self, index: int, report: Any) -> dict | None:
+        # A request can be deferred (a scale-out waits for joiners) or dropped: a decision noted for this index
+        # explains the report only if it asked for the layout the report switched to.
+        for stale in [i for i in self._decisions if i < index]:
+            del self._decisions[stale]
+        decision = self._decisions.pop(index, None)
+        if decision and decision.get("target") not in (None, report_dict(report).get("new_layout")):
+            return None
+        return decision
+
+    # ---- Lightning hooks ----------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # trainer.log_dir broadcasts from rank 0: every rank must ask, or the others hang.
+        self.run_dir = resolve_run_dir(trainer, self.log_dir)
+        if self.progress_bar:
+            self._wrap_progress_bar(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.flush(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.flush(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # A switch at the last step lands after the last batch hook.
+        self.flush(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._unwrap_progress_bar()
+
+    # ---- logging ------------------------------------------------------------------------------------------
+    def flush(self, trainer: pl.Trainer) -> list[dict]:
+        """Log the reports that appeared since the last call; returns their records."""
+        reports = getattr(trainer.strategy, "switch_reports", None) or []
+        new = []
+        for index in range(self._logged, len(reports)):
+            record = switch_record(reports[index], self._decision_for(index, reports[index]))
+            self.records.append(record)
+            new.append(record)
+        self._logged = len(reports)
+        if new and trainer.is_global_zero:
+            for record in new:
+                self._emit(trainer, record)
+        return new
+
+    def _emit(self, trainer: pl.Trainer, record: dict) -> None:
+        step = int(record["step"] or 0)
+        metrics = switch_metrics(record)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        if self.wandb_table:
+            self._log_table(trainer, step)
+        self._append_jsonl(record)
+
+    def _log_table(self, trainer: pl.Trainer, step: int) -> None:
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if not loggers:
+            return
+        import wandb
+
+        rows = [_table_row(r) for r in self.records]
+        for logger in loggers:
+            # A fresh table each time: W&B tables are immutable once logged. Mixed types: None where a report
+            # left a field empty.
+            table = wandb.Table(columns=list(TABLE_COLUMNS), data=rows, allow_mixed_types=True)
+            logger.log_metrics({TABLE_KEY: table}, step=step)
+
+    def _append_jsonl(self, record: dict) -> None:
+        path = self.jsonl_path
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({**record, "time": time.time()}, default=str) + "\n")
+
+    # ---- progress bar -------------------------------------------------------------------------------------
+    def _wrap_progress_bar(self, trainer: pl.Trainer) -> None:
+        bar = trainer.progress_bar_callback
+        if bar is None or self._bar is not None or getattr(bar.get_metrics, "_shows_layout", False):
+            return
+        had_own, original = "get_metrics" in vars(bar), bar.get_metrics
+        strategy = trainer.strategy
+
+        def get_metrics(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+            metrics = original(trainer, pl_module)
+            layout = getattr(strategy, "parallel_config", None)
+            if layout is not None:
+                metrics["layout"] = layout.short()
+            return metrics
+
+        get_metrics._shows_layout = True  # type: ignore[attr-defined]
+        bar.get_metrics = get_metrics
+        self._bar = (bar, had_own, original)
+
+    def _unwrap_progress_bar(self) -> None:
+        if self._bar is None:
+            return
+        bar, had_own, original = self._bar
+        self._bar = None
+        if had_own:
+            bar.get_metrics = original
+        else:
+            vars(bar).pop("get_metrics", None)
+
+
+def resolve_run_dir(trainer: pl.Trainer, override: str | os.PathLike | None = None) -> Path:
+    """The run directory: ``override``, else ``trainer.log_dir``, else ``default_root_dir``.
+
+    Without an override this is a collective (``trainer.log_dir`` broadcasts rank 0's): call it on every rank.
+    """
+    if override is not None:
+        return Path(override)
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+def _mib(n: Any) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def format_switch_table(reports: Iterable[Any]) -> str:
+    """A plain-text table of switches (`SwitchReport` objects, their dicts, or ``switches.jsonl`` records)."""
+    records = [switch_record(r, (r.get("decision") if isinstance(r, Mapping) else None)) for r in reports]
+    if not records:
+        return "no layout switches"
+    phases: list[str] = []
+    for r in records:
+        phases += [p for p in r["phases"] if p not in phases]
+    head = ["step", "from", "to", "world", "stall s", *[f"{p} s" for p in phases], "moved MiB", "identity MiB",
+            "peak MiB", "verified", "trigger"]
+    rows = [head]
+    for r in records:
+        decision = r.get("decision") or {}
+        world = f"{r['old_world_size']}->{r['world_size']}" if r["old_world_size"] != r["world_size"] \
+            else str(r["world_size"])
+        rows.append([
+            str(r["step"]), str(r["old_layout"]), str(r["new_layout"]), world, f"{r['stall_s'] or 0:.3f}",
+            *[f"{r['phases'].get(p, 0.0):.3f}" for p in phases],
+            _mib(r["bytes_moved"]), _mib(r["bytes_moved_identity"]), _mib(r["peak_bytes"]),
+            {True: "yes", False: "FAILED"}.get(r["verified"], "-"), decision.get("source", "direct"),
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def read_loss_curve(metrics_csv: str | os.PathLike, key: str = "train/loss") -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` from a CSVLogger ``metrics.csv`` (rows without the key are skipped)."""
+    steps, values = [], []
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get(key) not in (None, "") and row.get("step") not in (None, ""):
+                steps.append(int(float(row["step"])))
+                values.append(float(row[key]))
+    return steps, values
+
+
+def plot_loss_with_switches(metrics_csv: str | os.PathLike, switches_jsonl: str | os.PathLike | None,
+                            out_png: str | os.PathLike, key: str = "train/loss") -> Path:
+    """Training loss against step, a dashed line at every switch labelled with the layout it switched to."""
+    # The figure is drawn on an Agg canvas directly: no pyplot, so the caller's matplotlib backend is untouched.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps, values = read_loss_curve(metrics_csv, key)
+    switches = read_switches(switches_jsonl) if switches_jsonl and os.path.exists(switches_jsonl) else []
+    fig = Figure(figsize=(9, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, values, color="tab:blue", linewidth=1.4, label=key)
+    for record in switches:
+        ax.axvline(record["step"], color="tab:red", linestyle="--", linewidth=1)
+        ax.annotate(f"{record['new_layout']} ({record['world_size']})", xy=(record["step"], 1.0),
+                    xycoords=("data", "axes fraction"), xytext=(3, -4), textcoords="offset points",
+                    rotation=90, va="top", ha="left", fontsize=8, color="tab:red")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(key)
+    ax.set_title("training loss; dashed: layout switches")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out

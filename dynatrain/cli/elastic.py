@@ -1,0 +1,161 @@
+"""`dynatrain fit --elastic.max_devices M ...`: run a recipe as an elastic job on this machine.
+
+The launcher starts the job's store (a process of its own, so any rank may leave), the initial members (one
+process per device, as torchrun would) and a standby pool of joiners that wait, already set up, for a
+scale-out. A member that leaves exits with status 0; its slot in the pool is refilled with a fresh joiner while
+the job runs. Across machines, start the members with torchrun or SLURM variables and
+``$DYNATRAIN_ENDPOINT``/``$DYNATRAIN_TOKEN``, and add processes with `dynatrain join`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
+
+OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
+           "host": str, "workdir": str}
+JOB_ARGV_KEY = "elastic/job_argv"
+
+
+def split_elastic_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """Take ``--elastic.NAME VALUE`` (or ``=VALUE``) out of a LightningCLI command line."""
+    opts: dict = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--elastic."):
+            name, eq, value = arg[len("--elastic."):].partition("=")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{arg} needs a value")
+                value, i = argv[i + 1], i + 1
+            if name not in OPTIONS:
+                raise ValueError(f"unknown option --elastic.{name}; known: "
+                                 + ", ".join(f"--elastic.{k}" for k in OPTIONS))
+            try:
+                opts[name] = OPTIONS[name](value)
+            except ValueError:
+                raise ValueError(f"--elastic.{name} takes a {OPTIONS[name].__name__}, got {value!r}") from None
+        else:
+            rest.append(arg)
+        i += 1
+    return opts, rest
+
+
+def _config_devices(argv: list[str]) -> int | None:
+    """trainer.devices from the recipe (--config) or the command line, when it is a number."""
+    import yaml
+
+    devices = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            cfg = yaml.safe_load(Path(argv[i + 1]).read_text()) or {}
+            devices = (cfg.get("trainer") or {}).get("devices", devices)
+        elif arg.startswith("--trainer.devices"):
+            devices = arg.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else None)
+    try:
+        return int(devices) if devices is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class ElasticLauncher:
+    def __init__(self, opts: dict, argv: list[str]) -> None:
+        self.devices = opts.get("devices") or _config_devices(argv) or 1
+        self.max_devices = opts.get("max_devices") or self.devices
+        if self.devices > self.max_devices:
+            raise ValueError(f"--elastic.devices {self.devices} is above --elastic.max_devices {self.max_devices}")
+        self.standby = opts.get("standby", 0)
+        if self.standby < 0:
+            raise ValueError(f"--elastic.standby must be >= 0, got {self.standby}")
+        self.argv = argv
+        self.workdir = Path(opts.get("workdir") or "runs/.elastic")
+        self.host = opts.get("host", "127.0.0.1")
+        self.config = {"max_devices": self.max_devices, "join_timeout": opts.get("join_timeout", 300.0),
+                       "timeout": opts.get("timeout", 120.0)}
+        self.procs: dict[int, tuple[subprocess.Popen, str]] = {}  # pid -> (process, "member" | "standby")
+
+    def run(self) -> int:
+        from dynatrain.elastic.store import connect, start_store
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(16)
+        token_file = self.workdir / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        store_proc = start_store(token, self.workdir, host=self.host)
+        store = connect(store_proc.endpoint, token)
+        store.set(JOB_ARGV_KEY, json.dumps(self.argv))
+        self.env = {**os.environ, ENDPOINT_ENV: store_proc.endpoint, TOKEN_ENV: token,
+                    ELASTIC_ENV: json.dumps(self.config), "PYTHONUNBUFFERED": "1"}
+        print(f"dynatrain elastic job: store {store_proc.endpoint}, {self.devices} processes, up to "
+              f"{self.max_devices}; add one with: dynatrain join --endpoint {store_proc.endpoint} "
+              f"--token-file {token_file}", flush=True)
+        try:
+            for rank in range(self.devices):
+                self._start_member(rank)
+            self._refill()
+            return self._watch(store)
+        finally:
+            for proc, _ in self.procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc, _ in self.procs.values():
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            store_proc.stop()
+
+    def _start_member(self, rank: int) -> None:
+        env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(self.devices), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(self.devices), NODE_RANK="0")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.devices)))
+        argv = [*self.argv, "--trainer.devices", str(self.devices)]
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
+        self.procs[proc.pid] = (proc, "member")
+
+    def _start_standby(self) -> None:
+        env = {k: v for k, v in self.env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env[JOIN_ENV] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+        argv = [*self.argv, "--trainer.devices", "1", "--ckpt_path", JOIN_CHECKPOINT]
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
+        self.procs[proc.pid] = (proc, "standby")
+
+    def _alive(self, kind: str | None = None) -> list[subprocess.Popen]:
+        return [p for p, k in self.procs.values() if p.poll() is None and (kind is None or k == kind)]
+
+    def _refill(self) -> None:
+        while len(self._alive("standby")) < self.standby and len(self._alive()) < self.max_devices:
+            self._start_standby()
+
+    def _admitted(self, store, pid: int) -> bool:
+        """A standby process whose member id (``NNNNNN-<pid>``) was admitted to a world change."""
+        count = store.add("elastic/joiner_seq", 0)
+        return any(store.check([f"admit/{n:06d}-{pid}"]) for n in range(1, count + 1))
+
+    def _watch(self, store) -> int:
+        while True:
+            for pid, (proc, kind) in list(self.procs.items()):
+                if kind == "standby" and proc.poll() is None and self._admitted(store, pid):
+                    self.procs[pid] = (proc, "member")
+            members = [(p, k) for p, k in self.procs.values() if k == "member"]
+            failed = [p for p, _ in members if p.poll() not in (None, 0)]
+            if failed:
+                print(f"dynatrain elastic job: process {failed[0].pid} failed with status {failed[0].returncode}; "
+                      "stopping the job", file=sys.stderr, flush=True)
+                return 1
+            if all(p.poll() is not None for p, _ in members):
+                return 0
+            self._refill()
+            time.sleep(0.5)

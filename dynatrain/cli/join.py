@@ -1,0 +1,42 @@
+"""`dynatrain join`: add this process to a running elastic job.
+
+It reads the job's command line from the job's store, checks it builds the same model with the same code
+(registration refuses anything else), gets ready while the job trains, and becomes a member at the step boundary
+where the job scales out. Endpoint and token come from the flags or from ``$DYNATRAIN_ENDPOINT`` and
+``$DYNATRAIN_TOKEN``, as a torchrun- or SLURM-launched process gets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("join", help="add this process to a running elastic job",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV), help="HOST:PORT of the job's store")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help="the job's token")
+    p.add_argument("--token-file", help="a file holding the job's token (the launcher writes one)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args) -> int:
+    from dynatrain.cli.elastic import JOB_ARGV_KEY
+    from dynatrain.cli.train import run_lightning_cli
+    from dynatrain.elastic.store import connect
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else args.token
+    if not args.endpoint or not token:
+        raise SystemExit(f"dynatrain join: give --endpoint and --token (or ${ENDPOINT_ENV} and ${TOKEN_ENV})")
+    store = connect(args.endpoint, token)
+    argv = json.loads(store.get(JOB_ARGV_KEY).decode())
+    os.environ.update({ENDPOINT_ENV: args.endpoint, TOKEN_ENV: token, JOIN_ENV: "1"})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)  # the job gives this process its rank when it admits it
+    return run_lightning_cli([*argv, "--trainer.devices", "1", "--ckpt_path", JOIN_CHECKPOINT])
