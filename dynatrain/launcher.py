@@ -27,11 +27,12 @@ class LaunchError(RuntimeError):
 
 def launch_local(
     argv: list[str], nprocs: int, workdir: Path, timeout: float = 600.0, env: dict[str, str] | None = None,
-    name: str = "worker",
+    name: str = "worker", grace: float = 2.0,
 ) -> list[dict]:
     """Run ``python <argv> --out <file>`` on ``nprocs`` ranks; return each rank's JSON result in rank order.
 
-    On a failure or timeout every rank is killed and the error carries the tail of each rank's log.
+    On a failure or timeout every rank is killed and the error carries the tail of each rank's log; after a
+    rank fails, the others get ``grace`` seconds to report their side of it first.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,9 @@ def launch_local(
             if time.monotonic() > deadline:
                 raise LaunchError(f"{name} on {nprocs} ranks timed out after {timeout:.0f}s\n" + _tails(logs))
             if any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(2.0)  # let the peers report their side of the failure before they are killed
+                end = min(deadline, time.monotonic() + grace)  # let the peers report their side of the failure
+                while time.monotonic() < end and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
                 break
             time.sleep(0.05)
     finally:

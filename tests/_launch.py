@@ -20,7 +20,7 @@ def launch(script: str, nprocs: int, args: list[str], tmp_path: Path, timeout: f
 
 
 def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, joiners: list[list[str]] = (),
-                   timeout: float = 240.0) -> tuple[list[dict], list[dict]]:
+                   timeout: float = 240.0, grace: float = 2.0) -> tuple[list[dict], list[dict]]:
     """An elastic job: the store, ``nprocs`` members, and one process per entry of ``joiners`` started at once
     with ``DYNATRAIN_JOIN=1`` (they wait for admission). Returns (members' results, joiners' results)."""
     import json
@@ -49,7 +49,7 @@ def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, jo
                     stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         try:
             members = launch_local([str(WORKERS / script), *args], nprocs, tmp_path, timeout=timeout, env=env,
-                                   name=Path(script).stem)
+                                   name=Path(script).stem, grace=grace)
         except LaunchError as e:
             raise AssertionError(str(e) + _joiner_tails(logs)) from None
         deadline = time.monotonic() + 60

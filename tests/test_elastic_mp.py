@@ -39,3 +39,51 @@ def test_scale_in_then_out_with_joining_processes(tmp_path):
     assert all(_close(a, b) for a, b in zip(first["losses"], ref)), (first["losses"], ref)
     # A joiner continues the same step count and loss curve.
     assert joiners[1]["losses"] and _close(joiners[1]["losses"][-1], ref[-1])
+
+
+@pytest.mark.timeout(300)
+def test_rank_zero_leaves_and_hands_over_logging(tmp_path):
+    steps = 5
+    args = ["--layout", "dp_shard=3", "--steps", str(steps)]
+    static = launch("elastic.py", 3, [*args, "--static"], tmp_path / "s")
+    members, _ = launch_elastic("elastic.py", 3, [*args, "--switches", "2:dp_shard=2:0", "--log-dir",
+                                                  str(tmp_path / "logs")], tmp_path / "e")
+    assert members[0]["left"] and not members[1]["left"] and not members[2]["left"]
+    assert [members[1]["global_rank"], members[2]["global_rank"]] == [0, 1]
+    assert all(m["world_size"] == 2 and m["layout"] == "dp_shard=2" for m in members[1:])
+    assert all(_close(a, b) for a, b in zip(members[1]["losses"], static[0]["losses"]))
+    # The new rank 0 writes into the run directory the old rank 0 chose, and goes on where it stopped.
+    assert members[0]["log_dir"] == members[1]["log_dir"] == members[2]["log_dir"]
+    import csv
+    from pathlib import Path
+
+    rows = list(csv.DictReader(open(Path(members[1]["log_dir"]) / "metrics.csv")))
+    steps_logged = sorted({int(r["step"]) for r in rows if r.get("train/loss")})
+    assert steps_logged[0] <= 1 and steps_logged[-1] == steps - 1, steps_logged
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_that_never_gets_ready_is_dropped(tmp_path):
+    steps = 24
+    members, joiners = launch_elastic(
+        "elastic.py", 2, ["--layout", "dp_shard=2", "--steps", str(steps), "--switches", "1:dp_shard=3",
+                          "--join-timeout", "2"],
+        tmp_path, joiners=[["--never-ready", "--first", "1"]],
+    )
+    for m in members:
+        assert not m["left"] and m["layout"] == "dp_shard=2" and m["global_step"] == steps and not m["reports"]
+    assert any("scale-out to dp_shard=3 dropped" in w for w in members[0]["warnings"]), members[0]["warnings"]
+    assert "not admitted" in joiners[0]["not_admitted"]
+
+
+@pytest.mark.timeout(300)
+def test_a_leaver_killed_before_the_switch_stops_the_job_with_a_clear_error(tmp_path):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as err:
+        launch_elastic("elastic.py", 4, ["--layout", "dp_shard=4", "--steps", "6", "--switches", "2:dp_shard=2:2,3",
+                                         "--die", "2:3", "--timeout", "20"], tmp_path, grace=120)
+    text = str(err.value)
+    assert "did not take part within the 20s elastic timeout" in text, text[-3000:]
+    assert time.monotonic() - start < 200

@@ -3,7 +3,12 @@
 Every switch is compared bitwise with an independent oracle (the pre-switch state saved with DCP and loaded
 into the target layout); the oracle then trains the next step on the same micro-batches and its weights and
 moments must again equal the switched run's ("next step"). The losses are compared with the same steps trained
-without switches.
+without switches, on the first layout.
+
+A layout's dp_replicate*dp_shard*tp is the number of processes it runs on. When the sequence changes it (e.g.
+"dp_shard=4 > dp_shard=2 > dp_shard=3 > dp_shard=2,tp=2"), the run is an elastic job: a store process, the
+first world's ranks, and every process a scale-out will need, started up front as joiners that wait for
+admission. Processes that a scale-in drops leave and exit.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from pathlib import Path
 
 from dynatrain.launcher import LaunchError, launch_local
 from dynatrain.models.configs import get_model_config
+from dynatrain.selfcheck.launch import joiners_needed, launch_elastic
+from dynatrain.selfcheck.results import merge_losses, merge_switches
 from dynatrain.vps.parallel_config import ParallelConfig
 
 LOSS_RTOL = 1e-5
@@ -26,9 +33,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("selfcheck", help="train with layout switches on CPU and verify each against a DCP oracle",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="debug")
-    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--devices", type=int, default=None,
+                   help="processes the run starts with (default: the first layout's dp_replicate*dp_shard*tp)")
     p.add_argument("--switches", default="dp_shard=4 > dp_shard=2,tp=2 > tp=4 > dp_replicate=2,dp_shard=2 > dp_shard=4",
-                   help="layouts separated by '>'; the first is the starting layout")
+                   help="layouts separated by '>'; the first is the starting layout. A layout whose product "
+                        "differs from the one before changes the world: processes leave, or new ones join")
     p.add_argument("--steps-between", type=int, default=2)
     p.add_argument("--budget-mb", type=float, default=64.0)
     p.add_argument("--micro-batch", type=int, default=2)
@@ -44,18 +53,33 @@ def global_batch_for(layouts: list[ParallelConfig], micro_batch: int) -> int:
     return math.lcm(*(p.dp_size for p in layouts)) * micro_batch
 
 
-def run(args) -> int:
-    model = get_model_config(args.model)
-    layouts = [ParallelConfig.parse(s) for s in args.switches.split(">")]
+def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
+    """The layouts of ``--switches`` and the initial world: ``--devices``, or the first layout's product."""
+    try:
+        layouts = [ParallelConfig.parse(s) for s in args.switches.split(">")]
+    except ValueError as e:
+        raise SystemExit(f"--switches: {e}") from None
     if len(layouts) < 2:
         raise SystemExit("--switches needs at least two layouts, e.g. 'dp_shard=4 > dp_shard=2,tp=2'")
-    for p in layouts:
+    devices = args.devices or layouts[0].world_size
+    elastic = any(p.world_size != layouts[0].world_size for p in layouts)
+    for i, p in enumerate(layouts):
+        # With a world change, each layout's product is the world it runs on; the first starts on --devices.
+        world = p.world_size if elastic and i else devices
         try:
-            p.validate(model, args.devices)
+            p.validate(model, world)
         except ValueError as e:
             raise SystemExit(f"--switches: {e}") from None
+    return layouts, devices
+
+
+def run(args) -> int:
+    model = get_model_config(args.model)
+    layouts, devices = parse_layouts(args, model)
     if args.steps_between < 1:
         raise SystemExit("--steps-between must be at least 1")
+    worlds = [p.world_size for p in layouts]
+    joiners = joiners_needed(worlds)
     batch = global_batch_for(layouts, args.micro_batch)
     with tempfile.TemporaryDirectory(prefix="dynatrain-selfcheck-") as tmp:
         common = ["-m", "dynatrain.selfcheck.worker", "--model", args.model,
@@ -65,18 +89,16 @@ def run(args) -> int:
         if args.n_layers:
             common += ["--n-layers", str(args.n_layers)]
         try:
-            switching = launch_local(common, args.devices, Path(tmp), timeout=args.timeout, name="switching")
-            static = launch_local([*common, "--static"], args.devices, Path(tmp), timeout=args.timeout, name="static")
+            switching = _run_switching(common, devices, worlds, joiners, Path(tmp), args.timeout)
+            static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static")
         except LaunchError as e:
             print(f"selfcheck failed to run:\n{e}", file=sys.stderr)
             return 1
-    a, b = switching[0]["losses"], static[0]["losses"]
+    a, b = merge_losses(switching), static[0]["losses"]
     diff = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("inf")) if len(a) == len(b) else float("inf")
     result = {
-        "model": args.model, "devices": args.devices, "global_batch": batch,
-        "switches": [{k: s[k] for k in ("from", "to", "bitwise_equal", "step_after_equal", "bytes_moved", "seconds",
-                                        "peak_bytes")}
-                     for s in switching[0]["switches"]],
+        "model": args.model, "devices": devices, "worlds": worlds, "joiners": joiners, "global_batch": batch,
+        "switches": merge_switches(switching),
         "loss_max_rel_diff": diff, "losses": a, "static_losses": b,
     }
     ok = (len(result["switches"]) == len(layouts) - 1
@@ -86,12 +108,33 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"selfcheck: model {args.model} on {args.devices} CPU processes, global batch {batch}")
-        print(f"{'from':<28} {'to':<28} {'bitwise':<8} {'next step':<9} {'MiB moved':>9} {'seconds':>8} "
-              f"{'peak MiB':>9}")
-        for s in result["switches"]:
-            print(f"{s['from']:<28} {s['to']:<28} {str(s['bitwise_equal']):<8} {str(s['step_after_equal']):<9} "
-                  f"{s['bytes_moved'] / 2**20:>9.2f} {s['seconds']:>8.3f} {s['peak_bytes'] / 2**20:>9.2f}")
-        print(f"loss max relative difference against the run without switches: {diff:.2e} (tolerance {LOSS_RTOL})")
-        print("OK" if ok else "FAILED")
+        _print_table(result, args.model)
     return 0 if ok else 1
+
+
+def _run_switching(common: list[str], devices: int, worlds: list[int], joiners: int, workdir: Path,
+                   timeout: float) -> list[dict]:
+    """Every process's result: the ranks of a fixed world, or an elastic job's members and joiners."""
+    if all(w == devices for w in worlds):
+        return launch_local(common, devices, workdir, timeout=timeout, name="switching")
+    # The collectives' timeout is bounded so that a process that died surfaces as an error, not a long hang;
+    # a joiner may wait for its scale-out as long as the whole run.
+    argv = [*common, "--elastic", "--elastic-timeout", str(min(timeout, 300.0)), "--join-timeout", str(timeout)]
+    members, joined = launch_elastic(argv, devices, joiners, workdir, timeout=timeout, name="switching")
+    return members + joined
+
+
+def _print_table(result: dict, model: str) -> None:
+    worlds = " > ".join(str(w) for w in result["worlds"])
+    print(f"selfcheck: model {model} on {result['devices']} CPU processes (worlds {worlds}, "
+          f"{result['joiners']} joining), global batch {result['global_batch']}")
+    print(f"{'from':<28} {'to':<28} {'procs':<6} {'bitwise':<8} {'next step':<9} {'MiB moved':>9} {'seconds':>8} "
+          f"{'peak MiB':>9}")
+    for s in result["switches"]:
+        procs = f"{s['world_from']}>{s['world_to']}"
+        moved, secs, peak = (s["bytes_moved"] or 0) / 2**20, s["seconds"] or 0.0, (s["peak_bytes"] or 0) / 2**20
+        print(f"{s['from']:<28} {s['to']:<28} {procs:<6} {str(s['bitwise_equal']):<8} "
+              f"{str(s['step_after_equal']):<9} {moved:>9.2f} {secs:>8.3f} {peak:>9.2f}")
+    print(f"loss max relative difference against the run without switches: {result['loss_max_rel_diff']:.2e} "
+          f"(tolerance {LOSS_RTOL})")
+    print("OK" if result["ok"] else "FAILED")

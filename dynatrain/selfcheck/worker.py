@@ -1,11 +1,17 @@
-"""One rank of `dynatrain selfcheck`: train, switch at the given steps, compare each switch with the oracle."""
+"""One process of `dynatrain selfcheck`: train, switch at the given steps, compare each switch with the oracle.
+
+A process is a rank the job started with or, in an elastic run (``--elastic``, ``DYNATRAIN_JOIN=1``), a process
+that joins it at a scale-out. Switch ``i`` (``layouts[i] -> layouts[i+1]``) runs at the end of optimizer step
+``(i+1) * steps_between``. Around it, every process checks the oracle collectively: the old world saves the state
+with DCP just before the switch, the new world loads it into a fresh model of the target layout and compares.
+"""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import os
-import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -13,23 +19,115 @@ import lightning.pytorch as pl
 import torch.nn.functional as F
 
 import dynatrain
-from dynatrain.launcher import finish_rank
 from dynatrain.data import LlamaDataModule
+from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
+from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.selfcheck import oracle
+from dynatrain.vps.parallel_config import ParallelConfig
 
 
 class ScriptedSwitches(pl.Callback):
     def __init__(self, layouts: list[str], steps_between: int, workdir: Path, check: bool):
-        self.layouts = layouts[1:]
+        self.layouts = [ParallelConfig.parse(s) for s in layouts]
         self.steps_between = steps_between
         self.workdir = workdir
         self.check = check
+        self.next = 0  # index of the next switch this process takes part in
+        self.first_step = 0  # the optimizer step this process started training at (a joiner's is its switch's)
         self.results: list[dict] = []
-        self.shadow = None  # the oracle's model and optimizer, trained on the same micro-batches for one step
+        # The oracle's model and optimizer and the micro-batches left to train them on for one step, or None.
+        self.shadow = None
+
+    # ---- the switches -----------------------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.first_step = trainer.global_step
+        strategy = trainer.strategy
+        if strategy.elastic is None or not strategy.elastic.joining:
+            return
+        # A joiner enters here, right after the switch that admitted it: the members compare that switch with the
+        # oracle at the end of its boundary hook, and the first collective of both sides is the oracle's load.
+        index = trainer.global_step // self.steps_between - 1
+        self.next = index + 1
+        record = self._record(index, world_from=None, report=None)
+        self.results.append(record)
+        self._compare(trainer, pl_module, record)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.shadow is not None:
+            self._shadow_micro_batch(trainer, pl_module, batch)
+        strategy = trainer.strategy
+        index = self.next
+        if index >= len(self.layouts) - 1 or trainer.global_step != (index + 1) * self.steps_between:
+            return
+        if not strategy._switcher.at_boundary():
+            return
+        self.next += 1
+        if self.check:
+            oracle.save(pl_module.model, strategy.optimizers[0], self._checkpoint(index))
+        world_from = strategy.world_size
+        report = self._switch(strategy, self.layouts[index + 1])
+        record = self._record(index, world_from, report)
+        self.results.append(record)
+        if report is not None and not strategy.detached:
+            self._compare(trainer, pl_module, record)
+
+    def _switch(self, strategy, target: ParallelConfig):
+        """Run the switch to ``target`` now, at this boundary, and return its report (None if it was dropped).
+
+        A world change goes through `request_switch` like any elastic job's, but is driven here until it ran:
+        a scale-out would otherwise wait for its joiners across later steps, and the oracle's checkpoint holds
+        the state of this boundary.
+        """
+        if target.world_size == strategy.world_size:
+            return strategy.switch(target)
+        done = len(strategy.switch_reports)
+        strategy.request_switch(target)
+        switcher = strategy._switcher
+        while switcher.pending is not None:
+            switcher.run_pending()  # every rank gets rank 0's view of the ready joiners: the loop stays in step
+            if switcher.pending is not None:
+                time.sleep(0.2)
+        return strategy.switch_reports[-1] if len(strategy.switch_reports) > done else None
+
+    def _checkpoint(self, index: int) -> Path:
+        return self.workdir / f"before-switch-{index}"
+
+    def _record(self, index: int, world_from: int | None, report) -> dict:
+        old, new = self.layouts[index], self.layouts[index + 1]
+        record = {
+            "index": index, "from": old.short(), "to": new.short(), "world_from": old.world_size,
+            "world_to": new.world_size, "step": (index + 1) * self.steps_between, "bitwise_equal": None,
+            "step_after_equal": None, "left": False, "dropped": report is None and world_from is not None,
+        }
+        if report is not None:
+            record.update({
+                "from": report.old_layout, "to": report.new_layout, "world_from": world_from,
+                "left": report.world_size == 0, "bytes_moved": report.bytes_moved,
+                "bytes_moved_identity": report.bytes_moved_identity, "bytes_total": report.bytes_total,
+                "seconds": report.stall_s, "phases": report.phases, "peak_bytes": report.peak_bytes,
+                "peak_bound": report.peak_bound,
+            })
+        return record
+
+    # ---- the oracle -------------------------------------------------------------------------------------------
+    def _compare(self, trainer, pl_module, record: dict) -> None:
+        """Every process of the new world: load the pre-switch checkpoint into the target layout, compare."""
+        if not self.check:
+            return
+        strategy = trainer.strategy
+        model, optimizer = oracle.load_into_layout(strategy, pl_module, self._checkpoint(record["index"]))
+        record["bitwise_equal"] = oracle.bitwise_equal(pl_module.model, strategy.optimizers[0], model, optimizer,
+                                                       strategy.root_device)
+        if trainer.global_step < trainer.max_steps:
+            # The micro-batch count is read at the first micro-batch: a joiner's accumulation is set after this.
+            self.shadow = (model, optimizer, None)
 
     def _shadow_micro_batch(self, trainer, pl_module, batch) -> None:
+        """Train the oracle's copy on the same micro-batches; after one step its state must still be equal."""
         model, optimizer, left = self.shadow
+        if left is None:
+            left = trainer.accumulate_grad_batches
         tokens, labels = batch
         loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
         (loss / trainer.accumulate_grad_batches).backward()
@@ -42,36 +140,6 @@ class ScriptedSwitches(pl.Callback):
             pl_module.model, trainer.strategy.optimizers[0], model, optimizer, trainer.strategy.root_device)
         self.shadow = None
         gc.collect()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.shadow is not None:
-            self._shadow_micro_batch(trainer, pl_module, batch)
-        strategy = trainer.strategy
-        step = trainer.global_step
-        done = len(self.results)
-        if done >= len(self.layouts) or step != (done + 1) * self.steps_between:
-            return
-        if not strategy._switcher.at_boundary():
-            return
-        ckpt = self.workdir / f"before-switch-{done}"
-        if self.check:
-            oracle.save(pl_module.model, strategy.optimizers[0], ckpt)
-        report = strategy.switch(self.layouts[done])
-        equal = None
-        if self.check:
-            model, optimizer = oracle.load_into_layout(strategy, pl_module, ckpt)
-            equal = oracle.bitwise_equal(pl_module.model, strategy.optimizers[0], model, optimizer,
-                                         strategy.root_device)
-            if step < trainer.max_steps:
-                self.shadow = (model, optimizer, trainer.accumulate_grad_batches)
-            del model, optimizer
-        self.results.append({
-            "from": report.old_layout, "to": report.new_layout, "step": step, "bitwise_equal": equal,
-            "step_after_equal": None,
-            "bytes_moved": report.bytes_moved, "bytes_moved_identity": report.bytes_moved_identity,
-            "bytes_total": report.bytes_total, "seconds": report.stall_s, "phases": report.phases,
-            "peak_bytes": report.peak_bytes, "peak_bound": report.peak_bound,
-        })
 
 
 def main() -> None:
@@ -88,15 +156,23 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=float, default=64.0)
     ap.add_argument("--n-layers", type=int, default=None)
     ap.add_argument("--workdir", required=True, help="a folder every rank sees: the oracle's DCP checkpoints")
+    ap.add_argument("--elastic", action="store_true", help="the layouts change the world: processes leave and join")
+    ap.add_argument("--elastic-timeout", type=float, default=120.0,
+                    help="seconds to form a world and for its collectives")
+    ap.add_argument("--join-timeout", type=float, default=900.0, help="seconds a joiner waits for its scale-out")
     args = ap.parse_args()
     layouts = [s.strip() for s in args.layouts.split(">")]
     steps = args.steps_between * len(layouts)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    joining = os.environ.get(JOIN_ENV) == "1"
+    # A joiner is one process that enters a running world; its rank comes with the switch that admits it.
+    world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
     workdir = Path(args.workdir) / ("static" if args.static else "switching")
+    elastic = ({"timeout": args.elastic_timeout, "join_timeout": args.join_timeout}
+               if args.elastic and not args.static else False)
     strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
-                                           verify_switches=False)
-    script = ScriptedSwitches([] if args.static else layouts, args.steps_between, workdir, check=True)
+                                           verify_switches=False, elastic=elastic)
+    script = ScriptedSwitches([layouts[0]] if args.static else layouts, args.steps_between, workdir, check=True)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
@@ -105,12 +181,11 @@ def main() -> None:
     module = LlamaLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
-    trainer.fit(module, datamodule=data)
-    result = {"losses": module.step_losses, "switches": script.results}
+    trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+    result = {"losses": module.step_losses, "first_step": script.first_step, "switches": script.results,
+              "left": strategy.detached, "joined": joining}
     del trainer, module, strategy
     finish_rank(args.out, result)
-    if int(os.environ.get("RANK", "0")) == 0:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

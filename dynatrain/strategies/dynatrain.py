@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, member_info
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import dp_submesh, init_mesh, materialize_model, parallelize_model
-from dynatrain.strategies.elastic import set_world
+from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,6 +174,10 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.set_world_ranks()
         world = self.elastic.start(self.global_rank, self.world_size, self.member_info())
         set_world(self, world.rank, world.world_size)
+        # Every member learns the run's logger versions now, so whichever becomes rank 0 writes into the same run.
+        trainer = self.lightning_module.trainer
+        versions = logger_versions(trainer) if world.rank == 0 else None
+        adopt_logger_versions(trainer, self.broadcast(versions))
 
     def member_info(self) -> dict:
         from dynatrain import __version__

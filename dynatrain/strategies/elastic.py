@@ -8,14 +8,18 @@ rank 0, and every logger keeps the run's version so the new rank 0 writes into t
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dynatrain.vps.layout import StateSpec
@@ -50,6 +54,7 @@ def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None
     if not isinstance(env, ElasticEnvironment):
         local = env.local_rank() if env is not None else 0
         env = strategy.cluster_environment = ElasticEnvironment(rank, world_size, local)
+    was_zero = rank_zero_only.rank == 0
     env.set_world_size(world_size)
     env.set_global_rank(rank)
     strategy.parallel_devices = [strategy.root_device] * world_size
@@ -58,21 +63,49 @@ def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None
     bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
     if bar is not None:
         bar.enable() if rank == 0 else bar.disable()
+    if rank == 0 and not was_zero:
+        take_over_logging(trainer)
 
 
 def logger_versions(trainer: pl.Trainer | None) -> list[Any]:
     """Each logger's version on this process (forcing its choice), to hand to a new rank 0."""
     if trainer is None:
         return []
-    return [getattr(lg, "version", None) for lg in trainer.loggers]
+    out = []
+    for lg in trainer.loggers:
+        if isinstance(lg, WandbLogger):
+            out.append(lg.experiment.id if rank_zero_only.rank == 0 else lg._id)
+        else:
+            out.append(getattr(lg, "version", None))
+    return out
 
 
 def adopt_logger_versions(trainer: pl.Trainer | None, versions: list[Any]) -> None:
     if trainer is None:
         return
     for lg, v in zip(trainer.loggers, versions):
-        if v is not None and hasattr(lg, "_version"):
+        if v is None:
+            continue
+        if isinstance(lg, WandbLogger):
+            lg._id = v
+            lg._wandb_init.update(id=v, resume="allow")  # a new rank 0 continues the run, not a new one
+        elif hasattr(lg, "_version"):
             lg._version = v
+
+
+def take_over_logging(trainer: pl.Trainer | None) -> None:
+    """On a process that just became rank 0: open the run's CSV log without erasing what was written."""
+    if trainer is None:
+        return
+    for lg in trainer.loggers:
+        if not isinstance(lg, CSVLogger) or lg._experiment is not None:
+            continue
+        path = Path(lg.log_dir) / "metrics.csv"
+        rows = path.read_text() if path.is_file() else None
+        writer = lg.experiment  # Lightning's writer deletes an existing metrics file when it opens the directory
+        if rows:
+            path.write_text(rows)
+            writer.metrics_keys = next(csv.reader(io.StringIO(rows)))
 
 
 # ---- what a joiner receives -----------------------------------------------------------------------------------

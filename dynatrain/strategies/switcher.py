@@ -68,6 +68,10 @@ class _BoundaryHook(pl.Callback):
             self.switcher.run_pending()
 
 
+class WorldChangeError(RuntimeError):
+    """A world change could not complete; the process must not go on training."""
+
+
 @dataclass
 class _Pending:
     target: ParallelConfig
@@ -168,18 +172,28 @@ class Switcher:
         if p.target.world_size == strategy.world_size and not p.leave:
             self.pending = None
             return self.switch(p.target)
-        joiners = self._agree_on_joiners(p)
-        if joiners is None:
-            return None  # not enough joiners ready yet: ask again at the next boundary
-        self.pending = None
-        if joiners == "drop":
-            rank_zero_warn(f"scale-out to {p.target.short()} dropped: not enough joiners got ready within "
-                           f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
-                           f"{strategy.world_size} processes")
-            return None
-        rank_zero_info(f"world change {strategy.parallel_config.short()} -> {p.target.short()}: leaving ranks "
-                       f"{list(p.leave)}, admitting joiners {joiners}")
-        return self.switch_world(p.target, p.leave, joiners)
+        change = f"world change {strategy.parallel_config.short()} -> {p.target.short()}"
+        try:
+            joiners = self._agree_on_joiners(p)
+            if joiners is None:
+                return None  # not enough joiners ready yet: ask again at the next boundary
+            self.pending = None
+            if joiners == "drop":
+                rank_zero_warn(f"scale-out to {p.target.short()} dropped: not enough joiners got ready within "
+                               f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
+                               f"{strategy.world_size} processes")
+                return None
+            rank_zero_info(f"{change}: leaving ranks {list(p.leave)}, admitting joiners {joiners}")
+            return self.switch_world(p.target, p.leave, joiners)
+        except (RuntimeError, TimeoutError) as e:
+            if isinstance(e, SwitchVerificationError):
+                raise
+            # A peer that died, or a joiner that vanished, shows up as a collective or rendezvous timeout.
+            raise WorldChangeError(
+                f"{change} failed: a process of the job did not take part within the "
+                f"{strategy.elastic.config.timeout:.0f}s elastic timeout (it died or hung); this process stops "
+                f"instead of training on partial state. Restart from the last checkpoint. Cause: {e}"
+            ) from e
 
     def _agree_on_joiners(self, p: "_Pending"):
         """Rank 0 reads the ready joiners from the store; every rank gets its decision (one broadcast)."""

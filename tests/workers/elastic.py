@@ -6,6 +6,7 @@ optimizer step >= its step once the previous one has run; a joiner starts at ent
 
 import argparse
 import os
+import signal
 import warnings
 
 import lightning.pytorch as pl
@@ -21,10 +22,17 @@ warnings.filterwarnings("ignore")
 
 
 class Script(pl.Callback):
-    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], first: int):
+    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], first: int, die: tuple[int, int] | None):
         self.entries = entries
         self.next = first
         self.done_before = len(entries[:first])
+        self.die = die  # (step, rank): that rank is killed at the boundary where a switch is pending
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        strategy = trainer.strategy
+        if (self.die and trainer.global_rank == self.die[1] and trainer.global_step >= self.die[0]
+                and strategy._switcher.pending is not None and strategy._switcher.at_boundary()):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         strategy = trainer.strategy
@@ -59,6 +67,10 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--static", action="store_true", help="no elastic manager: the reference run")
+    ap.add_argument("--die", default="", help="STEP:RANK killed at the boundary of a pending switch")
+    ap.add_argument("--join-timeout", type=float, default=120.0)
+    ap.add_argument("--never-ready", action="store_true", help="a joiner that registers but never gets ready")
+    ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     entries = []
     for item in filter(None, args.switches.split(";")):
@@ -70,10 +82,11 @@ def main() -> None:
     pl.seed_everything(1234, verbose=False)
     strategy = dynatrain.DynaTrainStrategy(
         parallel=args.layout, verify_switches=True, switch_budget_mb=0.5,
-        elastic=None if args.static else {"timeout": 60.0, "join_timeout": 120.0},
+        elastic=None if args.static else {"timeout": args.timeout, "join_timeout": args.join_timeout},
     )
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
-    script = Script(entries, args.first)
+    die = tuple(int(x) for x in args.die.split(":")) if args.die else None
+    script = Script(entries, args.first, die)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
@@ -82,7 +95,19 @@ def main() -> None:
     module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=64, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                            max_corpus_bytes=400_000)
-    trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+    if args.never_ready:
+        from dynatrain.elastic.manager import ElasticManager
+
+        ElasticManager.mark_ready = lambda self: None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+        except TimeoutError as e:
+            if not args.never_ready:
+                raise
+            finish_rank(args.out, {"not_admitted": str(e)})
+            return
     result = {
         "losses": module.step_losses,
         "left": strategy.detached,
@@ -93,6 +118,7 @@ def main() -> None:
         "reports": [r.as_dict() for r in strategy.switch_reports],
         "member": strategy.elastic.member_id if strategy.elastic else None,
         "log_dir": trainer.log_dir if logger else None,
+        "warnings": [str(w.message) for w in caught],
     }
     del trainer, module
     finish_rank(args.out, result)
