@@ -26,7 +26,7 @@ class SwitchReport:
     step: int
     old_layout: str
     new_layout: str
-    world_size: int
+    world_size: int  # processes in the new world (0 on a process that left)
     bytes_total: int
     bytes_moved: int
     bytes_moved_identity: int | None
@@ -36,6 +36,7 @@ class SwitchReport:
     peak_bound: int
     verified: bool | None
     phases: dict[str, float] = field(default_factory=dict)
+    old_world_size: int | None = None
 
     @property
     def stall_s(self) -> float:

@@ -482,6 +482,7 @@ class Switcher:
             bytes_total=plan.bytes_total, bytes_moved=plan.bytes_moved,
             bytes_moved_identity=plan.bytes_moved_identity, rounds=plan.num_rounds, rank_map=list(positions),
             peak_bytes=stats.peak_bytes, peak_bound=stats.peak_bound, verified=verified, phases=timer.phases,
+            old_world_size=old_cfg.world_size,
         )
         strategy.switch_reports.append(report)
         rank_zero_info(
