@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
+from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, TOKEN_ENV
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
            "host": str, "workdir": str}
@@ -125,11 +125,10 @@ class ElasticLauncher:
         self.procs[proc.pid] = (proc, "member")
 
     def _start_standby(self) -> None:
+        """A process that waits to join: exactly what `dynatrain join` starts on another machine."""
         env = {k: v for k, v in self.env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env[JOIN_ENV] = "1"
         env.setdefault("OMP_NUM_THREADS", "1")
-        argv = [*self.argv, "--trainer.devices", "1", "--ckpt_path", JOIN_CHECKPOINT]
-        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "join"], env=env)
         self.procs[proc.pid] = (proc, "standby")
 
     def _alive(self, kind: str | None = None) -> list[subprocess.Popen]:

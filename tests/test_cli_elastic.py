@@ -1,0 +1,62 @@
+"""`dynatrain fit --elastic.*` end to end: store, members, a standby process started through `dynatrain join`,
+a scripted trace that scales in and back out, the switch log and the loss plot; and the launcher's bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynatrain.cli import main
+from dynatrain.cli.elastic import split_elastic_args
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _recipe(tmp_path: Path) -> Path:
+    cfg = yaml.safe_load((REPO / "recipes/llama-debug-elastic.yaml").read_text())
+    trainer = cfg["trainer"]
+    trainer.update(devices=3, max_steps=9, log_every_n_steps=1, default_root_dir=str(tmp_path / "run"))
+    trainer["strategy"]["init_args"]["parallel"] = "dp_shard=3"
+    elastic = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ElasticCallback"))
+    elastic["init_args"].update(trace=[{"step": 3, "devices": 2}, {"step": 6, "devices": 3}], max_devices=4)
+    trainer["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                          "init_args": {"save_dir": str(tmp_path / "run"), "name": "csv"}}]
+    cfg["model"]["model_overrides"] = {"n_layers": 2}
+    cfg["data"].update(seq_len=64, global_batch_size=12, micro_batch_size=2, max_corpus_bytes=400_000)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_elastic_launcher_scales_in_and_out_through_dynatrain_join(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dynatrain.cli", "fit", "--config", str(_recipe(tmp_path)),
+           "--elastic.max_devices", "4", "--elastic.standby", "1", "--elastic.workdir", str(tmp_path / "elastic")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "dynatrain join --endpoint" in out
+    jsonl = list((tmp_path / "run").rglob("switches.jsonl"))
+    assert len(jsonl) == 1, out[-3000:]
+    records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
+    assert [(r["old_world_size"], r["world_size"]) for r in records] == [(3, 2), (2, 3)]
+    assert all(r["verified"] for r in records)
+    assert list((tmp_path / "run").rglob("loss_switches.png"))
+    assert "loss: first step" in out
+
+
+def test_launcher_options_are_checked(capsys):
+    assert split_elastic_args(["fit", "--elastic.max_devices=4", "--elastic.standby", "2", "--x", "1"]) == (
+        {"max_devices": 4, "standby": 2}, ["fit", "--x", "1"])
+    with pytest.raises(ValueError, match="unknown option --elastic.maxdevices"):
+        split_elastic_args(["fit", "--elastic.maxdevices", "4"])
+    with pytest.raises(ValueError, match="takes a int"):
+        split_elastic_args(["fit", "--elastic.standby", "two"])
+    assert main(["fit", "--elastic.max_devices", "2", "--elastic.devices", "3"]) == 2
+    assert "above --elastic.max_devices 2" in capsys.readouterr().err
