@@ -87,3 +87,16 @@ def test_a_leaver_killed_before_the_switch_stops_the_job_with_a_clear_error(tmp_
     text = str(err.value)
     assert "did not take part within the 20s elastic timeout" in text, text[-3000:]
     assert time.monotonic() - start < 200
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_process_leaves_before_it_dies(tmp_path):
+    steps = 6
+    members, _ = launch_elastic("elastic.py", 3, ["--layout", "dp_shard=3", "--steps", str(steps),
+                                                  "--preempt", "2:1"], tmp_path)
+    # Rank 1 got SIGTERM: the ElasticCallback's agreement carried it to every rank, the planner picked the
+    # layout for the 2 devices left, and rank 1 sent its shards and left with status 0.
+    assert members[1]["left"] and not members[0]["left"] and not members[2]["left"]
+    for m in (members[0], members[2]):
+        assert m["world_size"] == 2 and m["global_step"] == steps
+        assert [r["new_layout"] for r in m["reports"]] == ["dp_shard=2"] and m["reports"][0]["verified"]

@@ -44,6 +44,19 @@ class Script(pl.Callback):
                 self.next += 1
 
 
+class Preempt(pl.Callback):
+    """The cluster's notice: SIGTERM to one rank, once, at the start of an optimizer step."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank, self.sent = step, rank, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        started_as = int(os.environ.get("RANK", "-1"))  # ranks are renumbered after a world change
+        if not self.sent and trainer.global_step >= self.step and started_as == self.rank:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     if os.environ.get("DYNATRAIN_DEBUG_STACKS"):
         import faulthandler
@@ -70,6 +83,7 @@ def main() -> None:
     ap.add_argument("--die", default="", help="STEP:RANK killed at the boundary of a pending switch")
     ap.add_argument("--join-timeout", type=float, default=120.0)
     ap.add_argument("--never-ready", action="store_true", help="a joiner that registers but never gets ready")
+    ap.add_argument("--preempt", default="", help="STEP:RANK gets SIGTERM (ElasticCallback with preemption on)")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     entries = []
@@ -87,10 +101,16 @@ def main() -> None:
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     die = tuple(int(x) for x in args.die.split(":")) if args.die else None
     script = Script(entries, args.first, die)
+    callbacks = [script]
+    if args.preempt:
+        from dynatrain.callbacks import ElasticCallback
+
+        callbacks.append(ElasticCallback(preemption={"grace_seconds": 60}, max_devices=4))
+        callbacks.append(Preempt(*(int(x) for x in args.preempt.split(":"))))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[script],
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
     )
     module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=64, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
