@@ -38,7 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
 from dynatrain.elastic.signals import (
-    ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource,
+    ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource, describe_request,
 )
 from dynatrain.planner.layouts import GiB, Devices, LayoutPolicy, Workload
 from dynatrain.planner.network import NetworkModel
@@ -127,14 +127,7 @@ class MergedRequest:
     deadline_in: float | None = None
 
     def describe(self) -> str:
-        parts = []
-        if self.devices is not None:
-            parts.append(f"devices={self.devices}")
-        if self.layout is not None:
-            parts.append(f"layout={self.layout}")
-        if self.leave:
-            parts.append(f"leave={','.join(map(str, self.leave))}")
-        return " ".join(parts)
+        return describe_request(self.devices, self.layout, self.leave)
 
 
 def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | None:

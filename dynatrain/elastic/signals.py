@@ -47,6 +47,18 @@ MAX_REJECTED = 256
 # ---------------------------------------------------------------------------------------------------- requests
 
 
+def describe_request(devices: int | None, layout: str | None, leave: tuple[int, ...]) -> str:
+    """``devices=3 layout=... leave=1,2``: the parts a request sets."""
+    parts = []
+    if devices is not None:
+        parts.append(f"devices={devices}")
+    if layout is not None:
+        parts.append(f"layout={layout}")
+    if leave:
+        parts.append(f"leave={','.join(map(str, leave))}")
+    return " ".join(parts)
+
+
 @dataclass(frozen=True)
 class ScaleRequest:
     """Run on ``devices`` devices, or on ``layout``; ``leave`` are global ranks that are going away.
@@ -90,14 +102,7 @@ class ScaleRequest:
         return self.devices
 
     def describe(self) -> str:
-        parts = []
-        if self.devices is not None:
-            parts.append(f"devices={self.devices}")
-        if self.layout is not None:
-            parts.append(f"layout={self.layout}")
-        if self.leave:
-            parts.append(f"leave={','.join(map(str, self.leave))}")
-        return " ".join(parts)
+        return describe_request(self.devices, self.layout, self.leave)
 
 
 def _is_int(value: Any) -> bool:

@@ -73,6 +73,7 @@ class TransitionStats:
     src_bytes: int = 0  # this rank's old local tensors
     dst_bytes: int = 0  # this rank's new local tensors
     staging_bytes: int = 0  # the one staging buffer
+    flight_bytes: int = 0  # what a phase may hold doubled: half the budget, or this rank's largest local tensor
     peak_bytes: int = 0  # max over the switch of live sources + live destinations + staging
     seconds_pack: float = 0.0
     seconds_wire: float = 0.0  # posting and waiting (local copies run while the wire is busy)
@@ -82,8 +83,8 @@ class TransitionStats:
 
     @property
     def peak_bound(self) -> int:
-        """The bound the engine aims for: max(sources, destinations) + staging."""
-        return max(self.src_bytes, self.dst_bytes) + self.staging_bytes
+        """The bound the engine keeps: max(sources, destinations) + staging + the phase in flight."""
+        return max(self.src_bytes, self.dst_bytes) + self.staging_bytes + self.flight_bytes
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -244,11 +245,14 @@ def run_transition(
         if t is not None:
             stats.src_bytes += t.numel() * t.element_size()
     live.add(stats.src_bytes)
+    largest = max((t.numel() * t.element_size() for t in src.values() if isinstance(t, torch.Tensor)), default=0)
     for name, (shape, dtype) in dst_spec.items():
         n = 1
         for d in shape:
             n *= d
         stats.dst_bytes += n * torch_dtype(dtype).itemsize
+        largest = max(largest, n * torch_dtype(dtype).itemsize)
+    stats.flight_bytes = max(plan.budget_bytes - plan.staging_budget_bytes, largest)
 
     dst: dict[str, torch.Tensor] = {}
 

@@ -7,10 +7,6 @@ same loss per step (so is the loss), so the merge only has to collect them.
 
 from __future__ import annotations
 
-SWITCH_FIELDS = ("from", "to", "world_from", "world_to", "bitwise_equal", "step_after_equal", "bytes_moved",
-                 "seconds", "peak_bytes")
-
-
 def merge_switches(results: list[dict]) -> list[dict]:
     """One entry per switch, in order: the oracle's verdicts, the plan's bytes, the slowest rank's stall and the
     highest rank's peak."""
@@ -25,6 +21,8 @@ def _merge_one(records: list[dict]) -> dict:
     ran = [r for r in records if "bytes_moved" in r]  # the processes of the old world, leavers included
     out = {k: records[0][k] for k in ("from", "to", "world_from", "world_to")}
     out["bitwise_equal"] = _verdict(r["bitwise_equal"] for r in records)
+    # Every process of the new world, joiners included, takes part in the oracle's collective load.
+    out["compared_on"] = sum(r["bitwise_equal"] is not None for r in records)
     out["step_after_equal"] = _verdict(r["step_after_equal"] for r in records)
     out["bytes_moved"] = ran[0]["bytes_moved"] if ran else None
     out["seconds"] = max((r["seconds"] for r in ran), default=None)
