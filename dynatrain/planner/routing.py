@@ -16,7 +16,6 @@ volumes of its intersections add up to its own volume.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -247,27 +246,48 @@ class RouteTable:
     # Per route class: (src, dst) -> {replica count n: element volumes by residue}. A state of the class with
     # rotation index r sends acc[n][r % n] elements over the pair from regions with n holders.
     class_pairs: tuple = field(default=(), repr=False)
+    _arrays: dict = field(default_factory=dict, repr=False)
 
     def group_pair_bytes(self, states: Iterable[int]) -> dict:
         """`pair_bytes` restricted to the given state indices: (src, dst) -> ((itemsize, bytes), ...)."""
         wanted = set(states)
-        out: dict[tuple[int, int], dict[int, int]] = {}
-        for rc, pairs in zip(self.classes, self.class_pairs):
+        pairs, blocks = self._residue_arrays()
+        acc: dict[int, np.ndarray] = {}  # itemsize -> bytes per pair (index into `pairs`)
+        for rc, by_n in zip(self.classes, blocks):
             members = [(self.old.states[si].itemsize, rot) for si, rot in zip(rc.states, rc.rotation_index)
                        if si in wanted]
             if not members:
                 continue
-            combos: dict[int, list[tuple[int, int, int]]] = {}  # n -> (itemsize, residue, states)
-            for pair, by_n in pairs.items():
-                for n, acc in by_n.items():
-                    if n not in combos:
-                        count = Counter((size, rot % n) for size, rot in members)
-                        combos[n] = [(size, res, c) for (size, res), c in count.items()]
-                    for size, res, c in combos[n]:
-                        if acc[res]:
-                            seg = out.setdefault(pair, {})
-                            seg[size] = seg.get(size, 0) + acc[res] * size * c
-        return {pair: tuple(sorted(segs.items(), reverse=True)) for pair, segs in sorted(out.items())}
+            for n, (index, volume) in by_n.items():
+                counts: dict[int, np.ndarray] = {}  # itemsize -> states per residue
+                for size, rot in members:
+                    counts.setdefault(size, np.zeros(n, dtype=np.int64))[rot % n] += 1
+                for size, c in counts.items():
+                    total = acc.setdefault(size, np.zeros(len(pairs), dtype=np.int64))
+                    total[index] += (volume @ c) * size  # a class lists each pair once per replica count
+        out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for size in sorted(acc, reverse=True):
+            for i in np.flatnonzero(acc[size]).tolist():
+                out.setdefault(pairs[i], []).append((size, int(acc[size][i])))
+        return {pair: tuple(out[pair]) for pair in sorted(out)}
+
+    def _residue_arrays(self):
+        """`class_pairs` as arrays, built once: (pairs, per class {n: (pair indices, volumes [pairs x n])})."""
+        if "residues" not in self._arrays:
+            pairs = sorted({pair for by_pair in self.class_pairs for pair in by_pair})
+            where = {pair: i for i, pair in enumerate(pairs)}
+            blocks = []
+            for by_pair in self.class_pairs:
+                rows: dict[int, tuple[list[int], list[list[int]]]] = {}
+                for pair, by_n in by_pair.items():
+                    for n, vols in by_n.items():
+                        index, volume = rows.setdefault(n, ([], []))
+                        index.append(where[pair])
+                        volume.append(vols)
+                blocks.append({n: (np.array(i, dtype=np.int64), np.array(v, dtype=np.int64).reshape(len(i), n))
+                               for n, (i, v) in rows.items()})
+            self._arrays["residues"] = (pairs, blocks)
+        return self._arrays["residues"]
 
     @property
     def bytes_moved(self) -> int:

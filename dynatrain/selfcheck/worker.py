@@ -45,8 +45,9 @@ class ScriptedSwitches(pl.Callback):
         strategy = trainer.strategy
         if strategy.elastic is None or not strategy.elastic.joining:
             return
-        # A joiner enters here, right after the switch that admitted it: the members compare that switch with the
-        # oracle at the end of its boundary hook, and the first collective of both sides is the oracle's load.
+        # A joiner enters here, right after the switch that admitted it. The members compare that switch with the
+        # oracle as soon as it returns (in on_train_batch_end below) and the joiner has run no collective since
+        # the switch's own, so on both sides the next collectives are the oracle's load and comparison.
         index = trainer.global_step // self.steps_between - 1
         self.next = index + 1
         record = self._record(index, world_from=None, report=None)
