@@ -97,11 +97,11 @@ class WorldGeneration:
                 f"(arrived: {[m for m in members if m not in missing]}); drop them from the member list and form "
                 f"generation {generation + 1}, or raise the timeout") from None
 
-        remaining = max(deadline - time.monotonic(), 1.0)
         try:
+            # The group's timeout is also every later collective's: the full timeout, not what the wait left.
             dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/pg/", store),
                                     rank=members.index(member_id), world_size=len(members),
-                                    timeout=timedelta(seconds=remaining))
+                                    timeout=timedelta(seconds=timeout))
         except RuntimeError as e:
             # Every member arrived, so a failure here means one died or hung between arriving and connecting.
             kind = TimeoutError if "timeout" in str(e).lower() or "timed out" in str(e).lower() else RuntimeError

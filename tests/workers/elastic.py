@@ -109,6 +109,7 @@ def main() -> None:
         callbacks.append(Preempt(*(int(x) for x in args.preempt.split(":"))))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=logger,
+        default_root_dir=os.path.dirname(os.path.abspath(args.out)),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
     )
