@@ -146,8 +146,9 @@ class Switcher:
             return
         if strategy.elastic is None:
             raise ValueError(
-                f"switching from {world} to {target.world_size} processes needs an elastic job: create the "
-                "strategy with DynaTrainStrategy(elastic=...) and start it with `dynatrain fit --elastic.max_devices N`"
+                f"{target.short()} needs dp_replicate*dp_shard*tp = {target.world_size} devices, but there are "
+                f"{world}: changing the number of processes needs an elastic job (DynaTrainStrategy(elastic=...), "
+                "started with `dynatrain fit --elastic.max_devices N`)"
             )
         cap = strategy.elastic.config.max_devices
         if cap is not None and target.world_size > cap:
