@@ -23,7 +23,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) bench/step_time.py
+	$(PY) bench/all.py
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache
