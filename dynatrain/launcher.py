@@ -49,7 +49,6 @@ def launch_local(
         )
         rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
         rank_env.setdefault("WANDB_MODE", "offline")
-        rank_env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes in native code leaves its stack
         with open(logs[rank], "w") as log:
             procs.append(subprocess.Popen([sys.executable, *argv, "--out", str(outs[rank])], env=rank_env,
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

@@ -523,7 +523,11 @@ def test_trace_switches_and_back_with_reports_in_csv_jsonl_and_wandb(tmp_path):
 @pytest.mark.timeout(240)
 def test_control_command_needs_the_token_and_a_malformed_file_is_rejected(tmp_path):
     actions = "1:control-wrong:tp=2;1:control:tp=2;3:file-bad;3:file:dp_shard=2"
-    results = _launch(tmp_path, "--control", "--watch", "--steps", "5", "--actions", actions)
+    from _launch import retry_on_lost_peer
+
+    runs = iter(range(2))
+    results = retry_on_lost_peer(lambda: _launch(tmp_path / f"run{next(runs)}", "--control", "--watch", "--steps", "5",
+                                                 "--actions", actions))
     rank0 = results[0]
     wrong, right = rank0["control"]
     assert wrong["exit"] == 1 and "wrong token" in wrong["output"]
