@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 
@@ -27,12 +28,13 @@ class LaunchError(RuntimeError):
 
 def launch_local(
     argv: list[str], nprocs: int, workdir: Path, timeout: float = 600.0, env: dict[str, str] | None = None,
-    name: str = "worker", grace: float = 2.0,
-) -> list[dict]:
+    name: str = "worker", grace: float = 2.0, may_die: Collection[int] = (),
+) -> list[dict | None]:
     """Run ``python <argv> --out <file>`` on ``nprocs`` ranks; return each rank's JSON result in rank order.
 
     On a failure or timeout every rank is killed and the error carries the tail of each rank's log; after a
-    rank fails, the others get ``grace`` seconds to report their side of it first.
+    rank fails, the others get ``grace`` seconds to report their side of it first. Ranks in ``may_die`` are
+    expected to be killed (fault injection): their exit is no failure and their result is None.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,7 @@ def launch_local(
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 raise LaunchError(f"{name} on {nprocs} ranks timed out after {timeout:.0f}s\n" + _tails(logs))
-            if any(p.returncode not in (None, 0) for p in procs):
+            if any(p.returncode not in (None, 0) for r, p in enumerate(procs) if r not in may_die):
                 end = min(deadline, time.monotonic() + grace)  # let the peers report their side of the failure
                 while time.monotonic() < end and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
@@ -68,10 +70,65 @@ def launch_local(
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in may_die]
     if failed:
         raise LaunchError(f"{name}: ranks {failed} failed\n" + _tails(logs))
-    return [json.loads(o.read_text()) for o in outs]
+    return [json.loads(o.read_text()) if o.exists() and r not in may_die else None for r, o in enumerate(outs)]
+
+
+def launch_elastic(
+    argv: list[str], nprocs: int, workdir: Path, joiners: "int | list[list[str]]" = 0, timeout: float = 600.0,
+    env: dict[str, str] | None = None, name: str = "elastic", grace: float = 2.0, may_die: Collection[int] = (),
+) -> tuple[list[dict | None], list[dict]]:
+    """An elastic job on this machine: the job's store, ``nprocs`` ranks, and joining processes.
+
+    ``joiners`` is a count, or one list of extra arguments per joiner. Joiners start with the job and wait for
+    admission (``DYNATRAIN_JOIN=1``); each scale-out admits as many as it needs. Returns (the ranks' results in
+    rank order, the joiners' results). On a failure or timeout every process is killed and the error carries
+    the tail of each one's log.
+    """
+    import secrets
+
+    from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
+    from dynatrain.elastic.store import start_store
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    extras = [[] for _ in range(joiners)] if isinstance(joiners, int) else [list(x) for x in joiners]
+    token = secrets.token_hex(8)
+    store = start_store(token, workdir, host="127.0.0.1")
+    env = {**(env or {}), ENDPOINT_ENV: store.endpoint, TOKEN_ENV: token}
+    procs, outs, logs = [], [], []
+    try:
+        for i, extra in enumerate(extras):
+            out, log = workdir / f"{name}-joiner{i}.json", workdir / f"{name}-joiner{i}.log"
+            outs.append(out)
+            logs.append(log)
+            full = {**os.environ, **env, JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}
+            full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nprocs + len(extras)))))
+            full.setdefault("WANDB_MODE", "offline")
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen([sys.executable, *argv, *extra, "--out", str(out)], env=full,
+                                              stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            members = launch_local(argv, nprocs, workdir, timeout=timeout, env=env, name=name, grace=grace,
+                                   may_die=may_die)
+        except LaunchError as e:
+            raise LaunchError(str(e) + _tails(logs, "joiner")) from None
+        # The joiners finish with the members' last collective; a grace covers their exit.
+        end = time.monotonic() + 60
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.1)
+        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            raise LaunchError(f"{name}: joiners {failed} failed\n" + _tails(logs, "joiner"))
+        return members, [json.loads(o.read_text()) for o in outs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        store.stop()
 
 
 def teardown_distributed() -> None:
@@ -93,9 +150,9 @@ def finish_rank(out: str | Path, result: dict) -> None:
     teardown_distributed()
 
 
-def _tails(logs: list[Path], n: int = 40) -> str:
+def _tails(logs: list[Path], what: str = "rank", n: int = 40) -> str:
     parts = []
     for r, log in enumerate(logs):
         lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-        parts.append(f"--- rank {r} ({log}) ---\n" + "\n".join(lines[-n:]))
+        parts.append(f"--- {what} {r} ({log}) ---\n" + "\n".join(lines[-n:]))
     return "\n".join(parts)

@@ -130,6 +130,13 @@ class LlamaLM(pl.LightningModule):
         self._step_tokens = 0
         self._step_start = None
 
+    def on_train_step_discarded(self) -> None:
+        """dynatrain's hook: a fault discarded the optimizer step in progress, which runs again from its first
+        micro-batch; its partial losses must not count."""
+        self._micro_losses.clear()
+        self._step_tokens = 0
+        self._step_start = None
+
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, logits, labels = self._loss(batch)
         self.val_perplexity.update(logits.float(), labels)

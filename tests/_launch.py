@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dynatrain.launcher import LaunchError, launch_local
+from dynatrain.launcher import launch_elastic as launch_elastic_local
 
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).resolve().parent.parent
@@ -20,56 +21,16 @@ def launch(script: str, nprocs: int, args: list[str], tmp_path: Path, timeout: f
 
 
 def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, joiners: list[list[str]] = (),
-                   timeout: float = 240.0, grace: float = 2.0) -> tuple[list[dict], list[dict]]:
-    """An elastic job: the store, ``nprocs`` members, and one process per entry of ``joiners`` started at once
-    with ``DYNATRAIN_JOIN=1`` (they wait for admission). Returns (members' results, joiners' results)."""
-    import json
-    import os
-    import secrets
-    import subprocess
-    import sys
-    import time
-
-    from dynatrain.elastic.store import start_store
-
-    token = secrets.token_hex(8)
-    store = start_store(token, tmp_path, host="127.0.0.1")
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "DYNATRAIN_ENDPOINT": store.endpoint,
-           "DYNATRAIN_TOKEN": token, "WANDB_MODE": "offline"}
-    procs, outs, logs = [], [], []
+                   timeout: float = 240.0, grace: float = 2.0, may_die=()) -> tuple[list[dict], list[dict]]:
+    """An elastic job: the store, ``nprocs`` members, and one joining process per entry of ``joiners`` (its extra
+    arguments). Returns (members' results, joiners' results)."""
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     try:
-        for i, extra in enumerate(joiners):
-            out, log = tmp_path / f"joiner{i}.json", tmp_path / f"joiner{i}.log"
-            outs.append(out)
-            logs.append(log)
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKERS / script), *args, *extra, "--out", str(out)],
-                    env={**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"},
-                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-        try:
-            members = launch_local([str(WORKERS / script), *args], nprocs, tmp_path, timeout=timeout, env=env,
-                                   name=Path(script).stem, grace=grace)
-        except LaunchError as e:
-            raise AssertionError(str(e) + _joiner_tails(logs)) from None
-        deadline = time.monotonic() + 60
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        bad = [i for i, p in enumerate(procs) if p.poll() != 0]
-        if bad:
-            raise AssertionError(f"joiners {bad} failed" + _joiner_tails(logs))
-        return members, [json.loads(o.read_text()) for o in outs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        store.stop()
-
-
-def _joiner_tails(logs: list[Path]) -> str:
-    return "".join(f"\n--- joiner {i} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-                   for i, log in enumerate(logs) if log.exists())
+        return launch_elastic_local([str(WORKERS / script), *args], nprocs, tmp_path, joiners=list(joiners),
+                                    timeout=timeout, env=env, name=Path(script).stem, grace=grace,
+                                    may_die=may_die)
+    except LaunchError as e:
+        raise AssertionError(str(e)) from None
 
 
 def retry_on_lost_peer(run, attempts: int = 2):

@@ -2,44 +2,85 @@
 
 import pytest
 
-from tests._launch import launch, launch_elastic, retry_on_lost_peer
+from tests._launch import launch, launch_elastic
 
 pytestmark = pytest.mark.multiprocess
 
-SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;6:dp_shard=4"
+SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;6:dp_shard=2,tp=2"
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def static_losses(tmp_path_factory):
+    """The reference: the same global batch and data on a fixed dp_shard=4 world."""
+    static = launch("elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(STEPS), "--static"],
+                    tmp_path_factory.mktemp("static"))
+    return static[0]["losses"]
+
+
 @pytest.mark.timeout(420)
-def test_scale_in_then_out_with_joining_processes(tmp_path):
-    steps = 8
-    static = launch("elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--static"], tmp_path / "s")
-    runs = iter(range(2))
-    members, joiners = retry_on_lost_peer(lambda: launch_elastic(
+def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses):
+    steps = STEPS
+    members, joiners = launch_elastic(
         "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES],
-        tmp_path / f"e{next(runs)}", joiners=[["--first", "2"], ["--first", "3"]], timeout=360,
-    ))
+        tmp_path / "e", joiners=[[], []], timeout=360,
+    )
     # Ranks 2 and 3 left at the first switch, with status 0, after sending their shards.
     for m in members[2:]:
         assert m["left"] and m["global_step"] <= 4, m
     for p in members[:2] + joiners:
         assert not p["left"]
-        assert p["layout"] == "dp_shard=4" and p["world_size"] == 4 and p["global_step"] == steps, p
+        assert p["layout"] == "dp_shard=2,tp=2" and p["world_size"] == 4 and p["global_step"] == steps, p
     assert sorted(p["global_rank"] for p in members[:2] + joiners) == [0, 1, 2, 3]
     # Every switch each process took part in was checked bitwise against the state before it.
     first = members[0]
-    assert [r["new_layout"] for r in first["reports"]] == ["dp_shard=2", "dp_shard=3", "dp_shard=4"]
+    assert [r["new_layout"] for r in first["reports"]] == ["dp_shard=2", "dp_shard=3", "dp_shard=2,tp=2"]
     assert [r["world_size"] for r in first["reports"]] == [2, 3, 4]
     assert all(r["verified"] for p in members[:2] + joiners for r in p["reports"])
     # Same global batch, same data, same optimizer state: the losses of a static run, step for step.
-    ref = static[0]["losses"]
+    ref = static_losses
     assert len(first["losses"]) == len(ref) == steps
     assert all(_close(a, b) for a, b in zip(first["losses"], ref)), (first["losses"], ref)
     # A joiner continues the same step count and loss curve.
     assert joiners[1]["losses"] and _close(joiners[1]["losses"][-1], ref[-1])
+
+
+@pytest.mark.timeout(300)
+def test_a_process_killed_mid_step_is_recovered_from_replicas(tmp_path, static_losses):
+    """HSDP keeps every shard on two processes: when one dies inside a step, the survivors re-form the world,
+    rebuild the state from the replicas and run that step again; the loss curve is the uninterrupted one."""
+    members, _ = launch_elastic("elastic.py", 4, ["--layout", "dp_replicate=2,dp_shard=2", "--steps", str(STEPS),
+                                                  "--crash", "3:3", "--timeout", "30"],
+                                tmp_path, may_die=[3], grace=120, timeout=280)
+    assert members[3] is None
+    for m in members[:3]:
+        assert m["world_size"] == 3 and m["layout"] == "dp_shard=3" and m["global_step"] == STEPS, m
+        [rec] = m["recoveries"]
+        assert rec["step"] == 3 and rec["lost"] == ["000000-000003"] and rec["new_layout"] == "dp_shard=3", rec
+        assert rec["seconds"] < 60, rec  # bounded by the process-group timeout, not a hang
+    assert sorted(m["global_rank"] for m in members[:3]) == [0, 1, 2]
+    losses = members[0]["losses"]
+    assert len(losses) == STEPS and all(_close(a, b) for a, b in zip(losses, static_losses)), (losses, static_losses)
+
+
+@pytest.mark.timeout(200)
+def test_a_process_killed_without_a_replica_stops_the_job_with_a_clear_error(tmp_path):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as err:
+        launch_elastic("elastic.py", 2, ["--layout", "dp_shard=2", "--steps", "5", "--crash", "2:1", "--timeout", "20"],
+                       tmp_path, may_die=[1], grace=90, timeout=150)
+    text = str(err.value)
+    assert "ranks [0] failed" in text and "cannot be rebuilt in memory" in text, text[-3000:]
+    assert "held only by lost processes" in text and "resume from the latest snapshot" in text, text[-3000:]
+    assert time.monotonic() - start < 120
 
 
 @pytest.mark.timeout(300)
@@ -69,7 +110,7 @@ def test_a_joiner_that_never_gets_ready_is_dropped(tmp_path):
     members, joiners = launch_elastic(
         "elastic.py", 2, ["--layout", "dp_shard=2", "--steps", str(steps), "--switches", "1:dp_shard=3",
                           "--join-timeout", "2"],
-        tmp_path, joiners=[["--never-ready", "--first", "1"]],
+        tmp_path, joiners=[["--never-ready"]],
     )
     for m in members:
         assert not m["left"] and m["layout"] == "dp_shard=2" and m["global_step"] == steps and not m["reports"]

@@ -70,6 +70,10 @@ def _config_devices(argv: list[str]) -> int | None:
 
 class ElasticLauncher:
     def __init__(self, opts: dict, argv: list[str]) -> None:
+        for name in ("devices", "max_devices"):
+            if name in opts and opts[name] < 1:
+                raise ValueError(f"--elastic.{name} must be at least 1, got {opts[name]}: a job cannot run on no "
+                                 "device")
         self.devices = opts.get("devices") or _config_devices(argv) or 1
         self.max_devices = opts.get("max_devices") or self.devices
         if self.devices > self.max_devices:

@@ -120,7 +120,7 @@ def _run_switching(common: list[str], devices: int, worlds: list[int], joiners: 
     # The collectives' timeout is bounded so that a process that died surfaces as an error, not a long hang;
     # a joiner may wait for its scale-out as long as the whole run.
     argv = [*common, "--elastic", "--elastic-timeout", str(min(timeout, 300.0)), "--join-timeout", str(timeout)]
-    members, joined = launch_elastic(argv, devices, joiners, workdir, timeout=timeout, name="switching")
+    members, joined = launch_elastic(argv, devices, workdir, joiners=joiners, timeout=timeout, name="switching")
     return members + joined
 
 

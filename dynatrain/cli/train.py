@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -28,13 +29,49 @@ def _summarise_switches(trainer) -> None:
         rank_zero_info(f"loss curve with switches: {os.path.abspath(png)}")
 
 
+def check_layout(trainer, model, datamodule) -> None:
+    """Refuse a layout that cannot run before any process starts, with the error each rank would raise later.
+
+    Checks a `DynaTrainStrategy`'s layout (pinned, or "auto" = pure FSDP) against the devices
+    (``num_nodes * devices``), the model (``tp`` must divide heads, KV heads, FFN width, vocabulary) and the
+    data module's global batch. A process joining an elastic job takes the layout of the switch it joins, so it
+    is not checked.
+    """
+    from dynatrain.elastic.manager import JOIN_ENV
+    from dynatrain.vps.parallel_config import ParallelConfig
+
+    strategy = trainer.strategy
+    if not hasattr(strategy, "_parallel_request") or os.environ.get(JOIN_ENV) == "1":
+        return
+    devices = trainer.num_nodes * trainer.num_devices
+    request = strategy._parallel_request
+    pcfg = ParallelConfig(dp_shard=devices) if request == "auto" else ParallelConfig.parse(request)
+    pcfg.validate(getattr(model, "model_config", None), devices)
+    if hasattr(datamodule, "accumulation_for"):
+        try:
+            datamodule.accumulation_for(pcfg.dp_size)
+        except ValueError as e:
+            raise ValueError(f"layout {pcfg.short()} on {devices} devices: {e}") from None
+
+
+class _DynaTrainCLI(LightningCLI):
+    def _check(self) -> None:
+        try:
+            check_layout(self.trainer, self.model, self.datamodule)
+        except ValueError as e:
+            print(f"dynatrain {self.subcommand}: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    before_fit = before_validate = before_test = _check
+
+
 def run_lightning_cli(argv: list[str]) -> int:
     import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
     from dynatrain.data import LlamaDataModule
     from dynatrain.llama_lm import LlamaLM
 
     os.environ.setdefault("WANDB_MODE", "offline")
-    cli = LightningCLI(
+    cli = _DynaTrainCLI(
         LlamaLM,
         LlamaDataModule,
         args=argv,

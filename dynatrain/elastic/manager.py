@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from dynatrain.elastic.world import (
     Transition,
     WorldGeneration,
     await_admission,
+    deregister,
     pending_joiners,
     register,
     union_then_target,
@@ -44,19 +46,30 @@ class ElasticConfig:
         join_timeout: seconds a scale-out waits for enough ready joiners before it is dropped with a warning.
         timeout: seconds to form a generation and for its collectives; a member that vanishes surfaces as a
             clear error within it instead of a hang.
+        recover: when a process dies while the job trains, re-form the world on the survivors and rebuild the
+            state from replicas in memory (needs every lost shard on a survivor, e.g. ``dp_replicate >= 2``).
+        heartbeat: seconds between a process's liveness beats in the store; a member whose beats stopped for
+            ``5 * heartbeat`` counts as lost after a fault.
+        recovery_wait: the longest survivors of a fault wait for a member that still beats but has not reported
+            (it may be blocked in a collective until ``timeout``); default ``timeout + 10``.
         endpoint, token: the job's store (default: ``$DYNATRAIN_ENDPOINT``, ``$DYNATRAIN_TOKEN``).
     """
 
     max_devices: int | None = None
     join_timeout: float = 300.0
     timeout: float = 120.0
+    recover: bool = True
+    heartbeat: float = 0.5
+    recovery_wait: float | None = None
     endpoint: str | None = None
     token: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_devices is not None and self.max_devices < 1:
             raise ValueError(f"elastic max_devices must be at least 1, got {self.max_devices}")
-        for name in ("join_timeout", "timeout"):
+        if self.recovery_wait is None:
+            self.recovery_wait = self.timeout + 10.0
+        for name in ("join_timeout", "timeout", "heartbeat", "recovery_wait"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"elastic {name} must be positive seconds, got {getattr(self, name)}")
 
@@ -98,12 +111,37 @@ class ElasticManager:
         self.world: WorldGeneration | None = None
         self.member_id: str | None = None
         self.joining = os.environ.get(JOIN_ENV) == "1"
+        self._beating: threading.Event | None = None
+
+    def _start_heartbeat(self) -> None:
+        """Beat in the store from a thread with its own connection, so a process blocked in a collective still
+        shows it is alive, and one that died stops beating."""
+        if self._beating is not None:
+            return
+        self._beating = stop = threading.Event()
+        store = connect(self.endpoint, self.token, timeout=self.config.timeout)
+        key, period = f"elastic/alive/{self.member_id}", self.config.heartbeat
+
+        def beat() -> None:
+            while not stop.wait(period):
+                try:
+                    store.add(key, 1)
+                except RuntimeError:
+                    return  # the store is gone: the job is over
+
+        store.add(key, 1)
+        threading.Thread(target=beat, name="dynatrain-heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        if self._beating is not None:
+            self._beating.set()
 
     # ---- membership ---------------------------------------------------------------------------------------
     def start(self, rank: int, world_size: int, info: dict) -> WorldGeneration:
         """Form generation 0 with the processes the job started with."""
         self.member_id = initial_member(rank)
         register(self.store, self.member_id, info)
+        self._start_heartbeat()
         members = [initial_member(r) for r in range(world_size)]
         self.world = WorldGeneration.join(self.store, 0, self.member_id, members, self.config.timeout)
         return self.world
@@ -113,6 +151,7 @@ class ElasticManager:
         n = self.store.add("elastic/joiner_seq", 1)
         self.member_id = f"{n:06d}-{os.getpid()}"
         register(self.store, self.member_id, info)
+        self._start_heartbeat()
         return self.member_id
 
     def mark_ready(self) -> None:
@@ -137,6 +176,49 @@ class ElasticManager:
         """Every current member: union, ``transfer`` on it, then the target. None on a member that left."""
         assert self.world is not None
         self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout)
+        return self.world
+
+    def agree_on_survivors(self, info: dict) -> dict[str, dict]:
+        """After a fault: which members of the current generation are still there, each with its ``info``.
+
+        Every survivor reports under the generation's key and waits until each other member has reported or
+        stopped beating (at most ``recovery_wait``: a live member may be blocked in a collective until the
+        group's timeout). The first to stop waiting fixes the list (compare-and-set), so every survivor gets
+        the same one; a member that reports after that is not in it and must stop.
+        """
+        assert self.world is not None
+        key = f"recover/{self.world.generation}"
+        self.store.set(f"{key}/info/{self.member_id}", json.dumps(info))
+        members = list(self.world.members)
+        stale_after = 5 * self.config.heartbeat
+        now = time.monotonic()
+        deadline = now + self.config.recovery_wait
+        beats = {m: (self.store.add(f"elastic/alive/{m}", 0), now) for m in members}
+        while True:
+            missing = [m for m in members if not self.store.check([f"{key}/info/{m}"])]
+            now = time.monotonic()
+            for m in missing:
+                count = self.store.add(f"elastic/alive/{m}", 0)
+                if count != beats[m][0]:
+                    beats[m] = (count, now)
+            if all(now - beats[m][1] > stale_after for m in missing) or now > deadline:
+                break
+            time.sleep(0.05)
+        here = [m for m in members if self.store.check([f"{key}/info/{m}"])]
+        agreed = json.loads(self.store.compare_set(f"{key}/members", "", json.dumps(here)).decode())
+        if self.member_id not in agreed:
+            raise TimeoutError(f"member {self.member_id} reported after the survivors {agreed} of generation "
+                               f"{self.world.generation} were agreed (recovery_wait={self.config.recovery_wait}s)")
+        for m in members:
+            if m not in agreed:
+                deregister(self.store, m)  # never mistaken for a joiner later
+        return {m: json.loads(self.store.get(f"{key}/info/{m}").decode()) for m in agreed}
+
+    def reform(self, members: list[str]) -> WorldGeneration:
+        """The survivors' generation, after the broken one was left."""
+        assert self.world is not None
+        self.world = WorldGeneration.join(self.store, self.world.generation + 1, self.member_id, members,
+                                          self.config.timeout)
         return self.world
 
     def await_admission(self) -> tuple[Transition, dict]:

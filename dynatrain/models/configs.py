@@ -5,7 +5,7 @@ Pure Python (no torch): the planners size 70B models from these without building
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ class ModelConfig:
         return asdict(self)
 
     def with_overrides(self, **overrides) -> "ModelConfig":
+        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown model field(s) {unknown} in model_overrides; known: "
+                             f"{[f.name for f in fields(self)]}")
         return replace(self, **overrides)
 
 

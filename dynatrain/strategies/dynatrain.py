@@ -99,6 +99,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # positions[i] is the process at mesh position i (default order (r*S + s)*T + t); a switch may permute it.
         self.positions: list[int] | None = None
         self.switch_reports: list = []
+        self.recovery_reports: list = []  # processes lost while training, and how the survivors went on
         self._switcher = None
         self._meshes: dict[tuple, DeviceMesh] = {}
         self.elastic_config = ElasticConfig.parse(elastic)
@@ -106,6 +107,9 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.detached = False  # this process left the job: collectives become local no-ops
         self.local_only = False  # a joiner before training starts: Lightning's start-up collectives stay local
         self._device: torch.device | None = None
+        # Called on every rank before a switch moves any state (e.g. to finish an in-flight asynchronous
+        # snapshot, whose background collectives would otherwise meet the old groups being torn down).
+        self.switch_guards: list = []
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property

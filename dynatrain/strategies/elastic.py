@@ -146,7 +146,24 @@ def loop_checkpoint(trainer: pl.Trainer) -> dict:
     datamodule = getattr(trainer, "datamodule", None)
     if datamodule is not None:
         ckpt[type(datamodule).__qualname__] = datamodule.state_dict()
+    ckpt["callbacks"] = _callback_states(trainer)
     return json.loads(json.dumps(ckpt))  # what crosses the store is JSON: fail here, not on the joiner
+
+
+def _callback_states(trainer: pl.Trainer) -> dict[str, dict]:
+    """Stateful callbacks' `state_dict`s, so a joiner resumes them where the members are (a scripted sequence
+    of requests, for one). A state that is not plain JSON (tensors, paths) stays behind: the joiner's callback
+    then starts fresh, as it does without a checkpoint."""
+    out = {}
+    for cb in trainer.callbacks:
+        state = cb.state_dict()
+        if not state:
+            continue
+        try:
+            out[cb.state_key] = json.loads(json.dumps(state))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from dynatrain.strategies.elastic import (
     loop_checkpoint,
     set_world,
 )
+from dynatrain.strategies.recovery import is_peer_loss, recover
 from dynatrain.strategies.switch import (
     PhaseTimer,
     SwitchReport,
@@ -112,6 +114,47 @@ class Switcher:
             return zero_grad_fn
 
         auto._make_zero_grad_fn = make_zero_grad_fn
+        self._guard_against_lost_peers(loop)
+
+    def _guard_against_lost_peers(self, loop) -> None:
+        """In an elastic job, a process lost during a micro-batch is recovered from (see `recovery`); the
+        micro-batch then counts as consumed and its step runs again under the survivors' layout."""
+        advance, advance_end = loop.advance, loop.on_advance_end
+        skip_end = [False]
+
+        def guarded_advance(data_fetcher) -> None:
+            try:
+                advance(data_fetcher)
+                return
+            except Exception as e:
+                if not self._recoverable(e):
+                    raise
+                error = e
+            # Outside the handler, without the traceback: its frames hold the step's tensors, which hold the
+            # broken groups open.
+            error.__traceback__ = None
+            recover(self, error)
+            progress = loop.batch_progress
+            for step in ("started", "processed", "completed"):
+                while getattr(progress.current, step) < progress.current.ready:
+                    getattr(progress, f"increment_{step}")()
+            skip_end[0] = True  # no validation, scheduler or logger step for a micro-batch that did not run
+
+        def guarded_advance_end(data_fetcher) -> None:
+            if skip_end[0]:
+                skip_end[0] = False
+                return
+            advance_end(data_fetcher)
+
+        loop.advance, loop.on_advance_end = guarded_advance, guarded_advance_end
+
+    def _recoverable(self, error: BaseException) -> bool:
+        strategy = self.strategy
+        if strategy.elastic is None or not strategy.elastic.config.recover or strategy.detached:
+            return False
+        if isinstance(error, (WorldChangeError, SwitchVerificationError)) or not is_peer_loss(error):
+            return False
+        return strategy.lightning_module.model is not None  # a switch that began moving state cannot be undone
 
     def at_boundary(self) -> bool:
         trainer = self.trainer
@@ -172,7 +215,9 @@ class Switcher:
         strategy = self.strategy
         if p.target.world_size == strategy.world_size and not p.leave:
             self.pending = None
-            return self.switch(p.target)
+            with self._refusable(p):
+                return self.switch(p.target)
+            return None
         change = f"world change {strategy.parallel_config.short()} -> {p.target.short()}"
         try:
             joiners = self._agree_on_joiners(p)
@@ -185,7 +230,9 @@ class Switcher:
                                f"{strategy.world_size} processes")
                 return None
             rank_zero_info(f"{change}: leaving ranks {list(p.leave)}, admitting joiners {joiners}")
-            return self.switch_world(p.target, p.leave, joiners)
+            with self._refusable(p):
+                return self.switch_world(p.target, p.leave, joiners)
+            return None
         except (RuntimeError, TimeoutError) as e:
             if isinstance(e, SwitchVerificationError):
                 raise
@@ -195,6 +242,18 @@ class Switcher:
                 f"{strategy.elastic.config.timeout:.0f}s elastic timeout (it died or hung); this process stops "
                 f"instead of training on partial state. Restart from the last checkpoint. Cause: {e}"
             ) from e
+
+    @contextmanager
+    def _refusable(self, p: "_Pending"):
+        """A request that fails to plan (every rank computes the same plan, so all fail alike) before any state
+        moved is refused with a warning; training goes on on the current layout."""
+        try:
+            yield
+        except ValueError as e:
+            if self.strategy.lightning_module.model is None:
+                raise
+            rank_zero_warn(f"switch to {p.target.short()} refused, training goes on as "
+                           f"{self.strategy.parallel_config.short()}: {e}")
 
     def _agree_on_joiners(self, p: "_Pending"):
         """Rank 0 reads the ready joiners from the store; every rank gets its decision (one broadcast)."""
@@ -412,6 +471,8 @@ class Switcher:
                 "a layout switch can only run at an optimizer-step boundary: use strategy.request_switch(), "
                 "which waits for the end of the current gradient accumulation"
             )
+        for guard in self.strategy.switch_guards:
+            guard()
 
     def _current(self):
         module = self.strategy.lightning_module
@@ -468,6 +529,7 @@ class Switcher:
         """A process that left: no model, no group; Lightning winds its loop down without collectives."""
         strategy = self.strategy
         strategy.detached = True
+        strategy.elastic.stop_heartbeat()
         strategy._meshes.clear()
         strategy._device_mesh = None
         if self.trainer is not None:

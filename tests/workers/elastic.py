@@ -1,7 +1,7 @@
 """One process of an elastic run: a member started with the job, or (DYNATRAIN_JOIN=1) a process joining it.
 
 ``--switches "step:layout[:leave ranks];..."``: the i-th entry is requested at the first micro-batch of an
-optimizer step >= its step once the previous one has run; a joiner starts at entry ``--first``.
+optimizer step >= its step once the previous one has run.
 """
 
 import argparse
@@ -22,11 +22,19 @@ warnings.filterwarnings("ignore")
 
 
 class Script(pl.Callback):
-    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], first: int, die: tuple[int, int] | None):
+    """Requests the entries in order, each once the previous one has run. Its position is callback state: a
+    joiner resumes it from the members' at the switch that admitted it, whichever switch that was."""
+
+    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], die: tuple[int, int] | None):
         self.entries = entries
-        self.next = first
-        self.done_before = len(entries[:first])
+        self.next = 0
         self.die = die  # (step, rank): that rank is killed at the boundary where a switch is pending
+
+    def state_dict(self) -> dict:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next = state["next"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
@@ -36,12 +44,23 @@ class Script(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         strategy = trainer.strategy
-        done = len(strategy.switch_reports) + self.done_before
-        if self.next < len(self.entries) and done == self.next and strategy._switcher.pending is None:
+        if self.next < len(self.entries) and strategy._switcher.pending is None:
             step, layout, leave = self.entries[self.next]
             if trainer.global_step >= step:
                 strategy.request_switch(layout, leave=leave)
                 self.next += 1
+
+
+class Crash(pl.Callback):
+    """SIGKILL one process (by the rank it started with) in the middle of an optimizer step: after its forward,
+    before the backward whose collectives its peers then wait on."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_step == self.step and int(os.environ.get("RANK", "-1")) == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Preempt(pl.Callback):
@@ -74,7 +93,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layout", default="auto")
     ap.add_argument("--switches", default="")
-    ap.add_argument("--first", type=int, default=0)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--micro-batch", type=int, default=2)
@@ -85,6 +103,7 @@ def main() -> None:
     ap.add_argument("--never-ready", action="store_true", help="a joiner that registers but never gets ready")
     ap.add_argument("--preempt", default="", help="STEP:RANK gets SIGTERM (ElasticCallback with preemption on)")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--crash", default="", help="STEP:RANK is SIGKILLed in the middle of that optimizer step")
     args = ap.parse_args()
     entries = []
     for item in filter(None, args.switches.split(";")):
@@ -100,8 +119,10 @@ def main() -> None:
     )
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     die = tuple(int(x) for x in args.die.split(":")) if args.die else None
-    script = Script(entries, args.first, die)
+    script = Script(entries, die)
     callbacks = [script]
+    if args.crash:
+        callbacks.append(Crash(*(int(x) for x in args.crash.split(":"))))
     if args.preempt:
         from dynatrain.callbacks import ElasticCallback
 
@@ -137,6 +158,7 @@ def main() -> None:
         "global_rank": trainer.global_rank,
         "global_step": trainer.global_step,
         "reports": [r.as_dict() for r in strategy.switch_reports],
+        "recoveries": [r.as_dict() for r in strategy.recovery_reports],
         "member": strategy.elastic.member_id if strategy.elastic else None,
         "log_dir": trainer.log_dir if logger else None,
         "warnings": [str(w.message) for w in caught],

@@ -1,0 +1,196 @@
+"""Recovery from a process lost while the job trains: re-form the world on the survivors, rebuild from replicas.
+
+A fault inside an optimizer step leaves every survivor's weights, Adam moments and step as they were after the
+last step that completed everywhere (the update is local and runs only after the step's collectives). So when
+every shard the lost processes held also lives on a survivor (``dp_replicate >= 2``, or TP-replicated states),
+the survivors hold the whole committed state: the routing planner plans a switch from the old layout with the
+lost processes' data unreadable, onto a layout for the survivors, and the engine moves it over a new generation
+of the world. The step that failed is run again on the same samples, since the data position follows the
+optimizer steps taken.
+
+What cannot be rebuilt this way (a shard with no replica, survivors that disagree on the step, a fault inside a
+switch, whose engine frees shards as it sends them) stops the job with `WorldChangeError` naming why; the job then
+resumes from its latest committed snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+
+from dynatrain.engine.transition import run_transition
+from dynatrain.models.parallelize import mesh_safe
+from dynatrain.planner.schedule import plan_switch
+from dynatrain.strategies.elastic import set_world
+from dynatrain.strategies.switch import PhaseTimer, collect_sources, state_specs
+from dynatrain.vps.layout import Layout
+from dynatrain.vps.parallel_config import ParallelConfig
+
+if TYPE_CHECKING:
+    from dynatrain.strategies.switcher import Switcher
+
+# What gloo and NCCL say when a peer of a collective died or stopped answering.
+_PEER_LOSS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
+    "nccl communicator", "remote process exited", "socket",
+)
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error).lower() for s in _PEER_LOSS)
+
+
+@dataclass
+class RecoveryReport:
+    step: int
+    lost: list[str]
+    survivors: int
+    old_layout: str
+    new_layout: str
+    bytes_moved: int
+    seconds: float
+    cause: str
+    phases: dict
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _reshard(model) -> None:
+    """A fault mid-forward or mid-backward leaves FSDP's unsharded parameters registered on some modules;
+    put the sharded ones (which the optimizer holds, unchanged since the last step) back. Local, no collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _drop_groups(meshes) -> None:
+    """Meshes keep their process groups in a registry (on the root mesh); empty it so the groups can go."""
+    for mesh in meshes:
+        for m in (mesh, getattr(mesh, "_root_mesh", None)):
+            registry = getattr(m, "_pg_registry", None)
+            if registry is not None:
+                registry.clear()
+
+
+def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
+    """The layout for ``count`` survivors: the old one when nobody was lost (a transient fault), else the
+    ElasticCallback's planner when the job has one, else the old TP degree when it still divides, else pure
+    FSDP; always one the model and the global batch accept."""
+    strategy = switcher.strategy
+    trainer = switcher.trainer
+    old = strategy.parallel_config
+    candidates: list[ParallelConfig] = [old] if count == old.world_size else []
+    from dynatrain.callbacks.elastic import ElasticCallback, workload_for
+    from dynatrain.planner.layouts import choose_layout
+
+    planner = next((cb for cb in (trainer.callbacks if trainer else []) if isinstance(cb, ElasticCallback)), None)
+    if planner is not None:
+        try:
+            candidates.append(choose_layout(planner.devices_for(count), workload_for(trainer)).config)
+        except ValueError:
+            pass
+    if count % old.tp == 0:
+        candidates.append(ParallelConfig(dp_shard=count // old.tp, tp=old.tp))
+    candidates.append(ParallelConfig(dp_shard=count))
+    errors = []
+    for c in candidates:
+        try:
+            return switcher.check(c, world_size=count)
+        except ValueError as e:
+            errors.append(str(e))
+    raise ValueError(f"no layout fits the {count} surviving processes: " + "; ".join(errors))
+
+
+def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
+    """Every survivor: agree on who is left, re-form the world, rebuild the state from replicas."""
+    from dynatrain.strategies.switcher import WorldChangeError
+
+    timer = PhaseTimer()
+    strategy = switcher.strategy
+    manager = strategy.elastic
+    trainer = switcher.trainer
+    old_world = manager.world
+    old_cfg = strategy.parallel_config
+    step = trainer.global_step if trainer is not None else 0
+    start = time.monotonic()
+    cause = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+    # Keep the local shards as plain tensors and drop everything that references the broken groups: a gloo
+    # group's connections close only when its last reference goes, and a survivor still blocked in a
+    # collective with this process fails at once then, instead of at the group's timeout.
+    model, optimizer = switcher._current()
+    _reshard(model)
+    specs = state_specs(model, optimizer)
+    src = collect_sources(model, optimizer)
+    kept = switcher._keep(model, optimizer)
+    config = model.config
+    switcher._release(model, optimizer)
+    del model, optimizer
+    module = strategy.lightning_module
+    _drop_groups([*strategy._meshes.values(), strategy._device_mesh])
+    strategy._meshes.clear()
+    strategy._device_mesh = module._device_mesh = None
+    old_world.leave(barrier=False)
+    survivors = manager.agree_on_survivors({"step": step})
+    members = list(old_world.members)
+    lost = [m for m in members if m not in survivors]
+    timer.lap("agree")
+
+    def stop(why: str) -> WorldChangeError:
+        return WorldChangeError(
+            f"lost process(es) {lost} at step {step} ({cause}); the state cannot be rebuilt in memory: {why}. "
+            "This process stops instead of training on partial state: resume from the latest snapshot "
+            "(dynatrain.callbacks.Snapshot) or checkpoint")
+
+    steps = sorted({int(info["step"]) for info in survivors.values()})
+    if len(steps) != 1:
+        raise stop(f"the survivors stopped at different optimizer steps {steps}")
+
+    lost_ranks = [members.index(m) for m in lost]
+    old_layout = Layout.from_config(specs, old_cfg, rank_map=strategy.positions)
+    try:
+        target = survivors_target(switcher, len(survivors))
+        plan = plan_switch(old_layout, target, lost=lost_ranks, rank_map=strategy.rank_map,
+                           budget_bytes=strategy.switch_budget_bytes)
+    except ValueError as e:
+        raise stop(str(e)) from None
+    new_members = sorted(survivors)
+    rank_of = {members.index(m): new_members.index(m) for m in new_members}  # plan id (old rank) -> new rank
+    target_ranks = [rank_of[p] for p in plan.new.rank_map]
+    if not mesh_safe(target_ranks, target):
+        plan = plan_switch(old_layout, target, lost=lost_ranks, rank_map=sorted(plan.new.processes),
+                           budget_bytes=strategy.switch_budget_bytes)
+        target_ranks = [rank_of[p] for p in plan.new.rank_map]
+    me = members.index(manager.member_id)
+    timer.lap("plan")
+
+    world = manager.reform(new_members)
+    dst, _ = run_transition(plan, me, src, group_ranks=rank_of, device=strategy.root_device)
+    del src
+    timer.lap("transfer")
+    set_world(strategy, world.rank, world.world_size)
+    new_mesh = strategy._build_mesh(target, ranks=target_ranks)
+    new_model = strategy.meta_model(config, new_mesh, target)
+    switcher._adopt(new_model, new_mesh, target, target_ranks, dst, kept)
+    timer.lap("adopt")
+    report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),
+                            new_layout=target.short(), bytes_moved=plan.bytes_moved,
+                            seconds=time.monotonic() - start, cause=cause, phases=timer.phases)
+    strategy.recovery_reports.append(report)
+    # The step in progress is discarded: whatever counted its micro-batches starts that step afresh.
+    for owner in [strategy.lightning_module, *(trainer.callbacks if trainer is not None else [])]:
+        hook = getattr(owner, "on_train_step_discarded", None)
+        if callable(hook):
+            hook()
+    rank_zero_warn(f"lost process(es) {lost} at step {step}: the {len(new_members)} survivors rebuilt the state "
+                   f"from replicas and go on as {target.short()} ({report.seconds:.2f}s)")
+    return report
