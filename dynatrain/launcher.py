@@ -79,13 +79,15 @@ def launch_local(
 def launch_elastic(
     argv: list[str], nprocs: int, workdir: Path, joiners: "int | list[list[str]]" = 0, timeout: float = 600.0,
     env: dict[str, str] | None = None, name: str = "elastic", grace: float = 2.0, may_die: Collection[int] = (),
-) -> tuple[list[dict | None], list[dict]]:
+    joiners_may_die: bool = False,
+) -> tuple[list[dict | None], list[dict | None]]:
     """An elastic job on this machine: the job's store, ``nprocs`` ranks, and joining processes.
 
     ``joiners`` is a count, or one list of extra arguments per joiner. Joiners start with the job and wait for
     admission (``DYNATRAIN_JOIN=1``); each scale-out admits as many as it needs. Returns (the ranks' results in
     rank order, the joiners' results). On a failure or timeout every process is killed and the error carries
-    the tail of each one's log.
+    the tail of each one's log. Ranks in ``may_die`` (and every joiner, with ``joiners_may_die``) are expected
+    to be killed by a fault injection: their result is None.
     """
     import secrets
 
@@ -119,10 +121,10 @@ def launch_elastic(
         end = time.monotonic() + 60
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
             time.sleep(0.1)
-        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        failed = [i for i, p in enumerate(procs) if p.returncode != 0 and not joiners_may_die]
         if failed:
             raise LaunchError(f"{name}: joiners {failed} failed\n" + _tails(logs, "joiner"))
-        return members, [json.loads(o.read_text()) for o in outs]
+        return members, [json.loads(o.read_text()) if p.returncode == 0 else None for p, o in zip(procs, outs)]
     finally:
         for p in procs:
             if p.poll() is None:

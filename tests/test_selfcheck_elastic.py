@@ -31,3 +31,25 @@ def test_selfcheck_scales_in_and_out_against_the_dcp_oracle():
     assert all(s["bytes_moved"] > 0 and s["peak_bytes"] > 0 for s in switches)
     assert result["loss_max_rel_diff"] <= 1e-5
     assert len(result["losses"]) == len(result["static_losses"]) == 8
+
+
+def test_selfcheck_inject_a_joiner_that_dies_before_it_is_ready():
+    """The joiner of a scale-out is SIGKILLed before it says it is ready: its heartbeat stops, the job drops it,
+    drops the scale-out after the join timeout, and the state is the committed one bit for bit."""
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--inject", "joiner-dies", "--n-layers", "2",
+           "--json", "--timeout", "200"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=260)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: result[k] for k in ("scenario", "recovered", "steps_lost", "state_equal_to_committed")} == {
+        "scenario": "joiner-dies", "recovered": True, "steps_lost": 0, "state_equal_to_committed": True}
+    assert result["layout_after"] == "dp_shard=2"
+
+
+def test_selfcheck_inject_refuses_an_unknown_scenario():
+    from dynatrain.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["selfcheck", "--inject", "disk-dies"])
+    text = str(err.value)
+    assert "unknown scenario(s) ['disk-dies']" in text and "rank-dies" in text and "joiner-dies" in text, text

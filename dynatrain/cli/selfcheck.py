@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--n-layers", type=int, default=None, help="override the model's depth (faster checks)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--inject", default=None, metavar="SCENARIOS",
+                   help="instead of switches, kill a process for real and check the job's recovery: "
+                        "rank-dies, joiner-dies, or several separated by ','")
     p.set_defaults(run=run)
 
 
@@ -74,6 +77,10 @@ def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
 
 
 def run(args) -> int:
+    if args.inject:
+        from dynatrain.selfcheck.faults import run_scenarios
+
+        return run_scenarios(args)
     model = get_model_config(args.model)
     layouts, devices = parse_layouts(args, model)
     if args.steps_between < 1:

@@ -112,6 +112,7 @@ class ElasticManager:
         self.member_id: str | None = None
         self.joining = os.environ.get(JOIN_ENV) == "1"
         self._beating: threading.Event | None = None
+        self._joiner_beats: dict[str, tuple[int, float]] = {}  # joiner -> (last beat count, when it changed)
 
     def _start_heartbeat(self) -> None:
         """Beat in the store from a thread with its own connection, so a process blocked in a collective still
@@ -158,10 +159,21 @@ class ElasticManager:
         self.store.set(f"elastic/ready/{self.member_id}", str(time.time()))
 
     def ready_joiners(self) -> list[str]:
-        """Registered joiners that said they are ready, in arrival order."""
+        """Registered joiners that said they are ready and still beat, in arrival order. A joiner whose beats
+        stopped for ``5 * heartbeat`` (it died or hangs) is dropped instead of being admitted."""
         assert self.world is not None
-        pending = pending_joiners(self.store, self.world.members)
-        return sorted(m for m in pending if self.store.check([f"elastic/ready/{m}"]))
+        now, out = time.monotonic(), []
+        for m in sorted(pending_joiners(self.store, self.world.members)):
+            count = self.store.add(f"elastic/alive/{m}", 0)
+            seen = self._joiner_beats.get(m)
+            if seen is None or seen[0] != count:
+                self._joiner_beats[m] = (count, now)
+            elif now - seen[1] > 5 * self.config.heartbeat:
+                self.drop_joiner(m, f"it stopped beating for {now - seen[1]:.1f}s (the process died or hangs)")
+                continue
+            if self.store.check([f"elastic/ready/{m}"]):
+                out.append(m)
+        return out
 
     def drop_joiner(self, member_id: str, reason: str) -> None:
         self.store.set(f"elastic/dropped/{member_id}", reason)

@@ -23,7 +23,7 @@ from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import LlamaLM
-from dynatrain.selfcheck import oracle
+from dynatrain.selfcheck import faults, oracle
 from dynatrain.vps.parallel_config import ParallelConfig
 
 
@@ -161,9 +161,11 @@ def main() -> None:
     ap.add_argument("--elastic-timeout", type=float, default=120.0,
                     help="seconds to form a world and for its collectives")
     ap.add_argument("--join-timeout", type=float, default=900.0, help="seconds a joiner waits for its scale-out")
+    ap.add_argument("--inject", default=None, help="a fault scenario of dynatrain.selfcheck.faults")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one stretch per layout)")
     args = ap.parse_args()
     layouts = [s.strip() for s in args.layouts.split(">")]
-    steps = args.steps_between * len(layouts)
+    steps = args.steps or args.steps_between * len(layouts)
     joining = os.environ.get(JOIN_ENV) == "1"
     # A joiner is one process that enters a running world; its rank comes with the switch that admits it.
     world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
@@ -173,7 +175,12 @@ def main() -> None:
                if args.elastic and not args.static else False)
     strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
                                            verify_switches=False, elastic=elastic)
-    script = ScriptedSwitches([layouts[0]] if args.static else layouts, args.steps_between, workdir, check=True)
+    if args.inject:
+        script = faults.InjectFault(args.inject, workdir)
+        if joining:
+            faults.die_before_ready()
+    else:
+        script = ScriptedSwitches([layouts[0]] if args.static else layouts, args.steps_between, workdir, check=True)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
@@ -183,8 +190,11 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
     trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
-    result = {"losses": module.step_losses, "first_step": script.first_step, "switches": script.results,
-              "left": strategy.detached, "joined": joining}
+    if args.inject:
+        result = script.result(trainer)
+    else:
+        result = {"losses": module.step_losses, "first_step": script.first_step, "switches": script.results,
+                  "left": strategy.detached, "joined": joining}
     del trainer, module, strategy
     finish_rank(args.out, result)
 
