@@ -13,7 +13,7 @@ import pytest
 
 from dynatrain.elastic import store as store_mod
 from dynatrain.elastic.world import (
-    RegistrationError, plan_union_then_target, register, registered, set_job_info,
+    RegistrationError, Transition, plan_union_then_target, register, registered, set_job_info,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +67,34 @@ def test_union_then_target_plans():
     mixed = plan_union_then_target(4, ["a", "b"], ["b", "c"])
     assert mixed.generation == 5 and mixed.steps == [("a", "b", "c"), ("b", "c")]
     assert plan_union_then_target(4, ["a"], ["a"]).steps == []
+    # A target rank order: when nobody leaves, one generation ranked that way; otherwise the sorted union
+    # moves the state and the target is formed in that order.
+    assert plan_union_then_target(4, ["a", "b"], ["a", "b", "c"], order=["a", "c", "b"]).steps == [("a", "c", "b")]
+    assert plan_union_then_target(4, ["a", "b"], ["b", "c"], order=["c", "b"]).steps == [("a", "b", "c"), ("c", "b")]
+    assert plan_union_then_target(4, ["a", "b"], ["a", "b"], order=["b", "a"]).steps == [("b", "a")]
+    t = plan_union_then_target(4, ["a", "b"], ["b", "c"], order=["c", "b"])
+    assert Transition.from_json(t.to_json()) == t
+    with pytest.raises(ValueError, match="not an arrangement of the new members"):
+        plan_union_then_target(4, ["a"], ["a", "b"], order=["a", "c"])
+
+
+def test_target_ranks_follow_mesh_positions_unless_a_joiner_would_be_rank_zero():
+    from types import SimpleNamespace
+
+    from dynatrain.strategies.switcher import _target_ranks
+
+    m0, m1, j2, j3 = "000000-000000", "000000-000001", "000001-000111", "000002-000222"
+    union = [m0, m1, j2, j3]  # plan process ids are indices here
+
+    def plan(*rank_map):
+        return SimpleNamespace(new=SimpleNamespace(rank_map=rank_map))
+
+    # The optimal 2 -> 4 arrangement keeps half the state: ranks follow the positions, so groups ascend.
+    assert _target_ranks(plan(0, 2, 1, 3), union, [m0, m1]) == ([m0, j2, m1, j3], [0, 1, 2, 3])
+    # A joiner at position 0 would take rank 0 from the members: ranks follow the member ids instead.
+    assert _target_ranks(plan(2, 0, 3, 1), union, [m0, m1]) == ([m0, m1, j2, j3], [2, 0, 3, 1])
+    # Every member left: nobody to keep rank 0 for.
+    assert _target_ranks(plan(3, 2), union, [m0, m1]) == ([j3, j2], [0, 1])
 
 
 def test_wrong_token_and_bad_endpoint_are_refused(job_store):

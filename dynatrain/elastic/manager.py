@@ -184,10 +184,12 @@ class ElasticManager:
         """What joiners need to run the switch; written before the transition is announced."""
         self.store.set(f"elastic/switch/{generation}", json.dumps(payload))
 
-    def change_world(self, new_members: list[str], transfer) -> WorldGeneration | None:
-        """Every current member: union, ``transfer`` on it, then the target. None on a member that left."""
+    def change_world(self, new_members: list[str], transfer, order: list[str] | None = None
+                     ) -> WorldGeneration | None:
+        """Every current member: union, ``transfer`` on it, then the target (ranked by ``order`` when given).
+        None on a member that left."""
         assert self.world is not None
-        self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout)
+        self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout, order=order)
         return self.world
 
     def agree_on_survivors(self, info: dict) -> dict[str, dict]:

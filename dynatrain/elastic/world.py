@@ -1,8 +1,8 @@
 """World generations: each membership of the job is a numbered generation with its own process group.
 
 A member is a stable process id (a string chosen by the process, unique for its lifetime), not a rank: a
-generation's ranks are the indices of its sorted member list, so ranks are renumbered at every change and any
-member, rank 0 included, may leave. Every generation keys its rendezvous under ``gen{g}/`` of the job's long-lived
+generation's ranks are the indices of its member list (sorted, unless a transition gives the target an order),
+so ranks are renumbered at every change and any member, rank 0 included, may leave. Every generation keys its rendezvous under ``gen{g}/`` of the job's long-lived
 store (:mod:`dynatrain.elastic.store`): re-forming a group on a used port or under used keys hangs or fails on
 torch 2.13, and a fresh prefix on a store that never moves avoids both. Generation numbers are never re-used;
 a failed attempt at ``g`` is retried as ``g + 1``.
@@ -40,6 +40,16 @@ def _members(members: Iterable[str]) -> tuple[str, ...]:
     return out
 
 
+def _ordered(members: Iterable[str]) -> tuple[str, ...]:
+    """Members in the given rank order."""
+    out = tuple(str(m) for m in members)
+    if not out:
+        raise ValueError("a generation needs at least one member")
+    if len(set(out)) != len(out):
+        raise ValueError(f"members {list(out)} repeat a process")
+    return out
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
@@ -64,12 +74,13 @@ class WorldGeneration:
 
     @classmethod
     def join(cls, store, generation: int, member_id: str, members: Iterable[str], timeout: float = 60.0,
-             backend: str | None = None) -> "WorldGeneration":
+             backend: str | None = None, ordered: bool = False) -> "WorldGeneration":
         """Form generation ``generation`` as the default process group; every member calls this.
 
-        Raises ``TimeoutError`` naming the absent members when not all of them arrive within ``timeout`` seconds.
+        Ranks follow the sorted member list, or the list as given with ``ordered``. Raises ``TimeoutError``
+        naming the absent members when not all of them arrive within ``timeout`` seconds.
         """
-        members = _members(members)
+        members = _ordered(members) if ordered else _members(members)
         member_id = str(member_id)
         if member_id not in members:
             raise ValueError(f"member {member_id!r} is not in generation {generation}'s members {list(members)}")
@@ -125,12 +136,13 @@ class WorldGeneration:
                               f"the group anyway", stacklevel=2)
         dist.destroy_process_group()
 
-    def next_generation(self, members: Iterable[str], timeout: float | None = None) -> "WorldGeneration | None":
+    def next_generation(self, members: Iterable[str], timeout: float | None = None,
+                        ordered: bool = False) -> "WorldGeneration | None":
         """Every current member calls this with the same list; returns ``None`` on a member that is not in it.
 
         A process that gets ``None`` has left the job's world (and the registry) and should exit with status 0.
         """
-        members = _members(members)
+        members = _ordered(members) if ordered else _members(members)
         leaving = self.member_id not in members
         if leaving:
             # Before the barrier in leave(), so survivors never list a leaver as a pending joiner.
@@ -139,7 +151,7 @@ class WorldGeneration:
         if leaving:
             return None
         return WorldGeneration.join(self.store, self.generation + 1, self.member_id, members,
-                                    self.timeout if timeout is None else timeout, self.backend)
+                                    self.timeout if timeout is None else timeout, self.backend, ordered)
 
 
 join = WorldGeneration.join
@@ -212,29 +224,43 @@ class Transition:
     generation: int  # the first generation the transition forms
     old: tuple[str, ...]
     new: tuple[str, ...]
+    order: tuple[str, ...] | None = None  # the target generation's rank order (default: sorted)
 
     @property
     def union(self) -> tuple[str, ...]:
         return _members(self.old + self.new)
 
     @property
+    def target(self) -> tuple[str, ...]:
+        return self.order or self.new
+
+    @property
     def steps(self) -> list[tuple[str, ...]]:
-        """Member lists of the generations to form, in order: the union (unless it is ``old``), then ``new``."""
-        out = [] if self.union == self.old else [self.union]
-        return out + ([self.new] if self.new != self.union else [])
+        """Member lists, in rank order, of the generations to form: the union (unless it is ``old``), then the
+        target. When nobody leaves, the union is the target: one generation, in the target's order."""
+        if set(self.new) == set(self.union):
+            return [] if self.target == self.old else [self.target]
+        return ([] if self.union == self.old else [self.union]) + [self.target]
 
     def to_json(self) -> str:
-        return _dumps({"generation": self.generation, "old": self.old, "new": self.new})
+        return _dumps({"generation": self.generation, "old": self.old, "new": self.new, "order": self.order})
 
     @classmethod
     def from_json(cls, text: str) -> "Transition":
         d = json.loads(text)
-        return cls(d["generation"], _members(d["old"]), _members(d["new"]))
+        order = _ordered(d["order"]) if d.get("order") else None
+        return cls(d["generation"], _members(d["old"]), _members(d["new"]), order)
 
 
-def plan_union_then_target(generation: int, old: Iterable[str], new: Iterable[str]) -> Transition:
-    """The transition from the current generation ``generation`` with ``old`` to ``new``."""
-    return Transition(generation + 1, _members(old), _members(new))
+def plan_union_then_target(generation: int, old: Iterable[str], new: Iterable[str],
+                           order: Iterable[str] | None = None) -> Transition:
+    """The transition from the current generation ``generation`` with ``old`` to ``new`` (ranked by ``order``)."""
+    new = _members(new)
+    if order is not None:
+        order = _ordered(order)
+        if set(order) != set(new):
+            raise ValueError(f"order {list(order)} is not an arrangement of the new members {list(new)}")
+    return Transition(generation + 1, _members(old), new, order)
 
 
 def announce(store, t: Transition) -> None:
@@ -258,13 +284,14 @@ Transfer = Callable[[WorldGeneration], None]
 
 
 def union_then_target(world: WorldGeneration, new: Iterable[str], transfer: Transfer | None = None,
-                      timeout: float | None = None) -> WorldGeneration | None:
+                      timeout: float | None = None, order: Iterable[str] | None = None) -> WorldGeneration | None:
     """Run by every current member: move to ``new``, calling ``transfer`` on the group spanning old and new.
 
     Rank 0 announces the plan so admitted joiners (:func:`await_admission`, then :func:`run_transition`) follow
-    it. Returns the target generation, or ``None`` on a member that left.
+    it. ``order``: the target generation's rank order. Returns the target generation, or ``None`` on a member
+    that left.
     """
-    t = plan_union_then_target(world.generation, world.members, new)
+    t = plan_union_then_target(world.generation, world.members, new, order)
     if world.rank == 0:
         announce(world.store, t)
     return run_transition(t, world=world, transfer=transfer, timeout=timeout)
@@ -286,11 +313,12 @@ def run_transition(t: Transition, world: WorldGeneration | None = None, store=No
     current = world
     for i, members in enumerate(t.steps):
         if current is None:
-            current = WorldGeneration.join(store, t.generation + i, member_id, members, timeout, backend)
+            current = WorldGeneration.join(store, t.generation + i, member_id, members, timeout, backend,
+                                           ordered=True)
         else:
-            current = current.next_generation(members, timeout)
+            current = current.next_generation(members, timeout, ordered=True)
         if current is None:
             return None
-        if transfer is not None and members == t.union:
+        if transfer is not None and set(members) == set(t.union):
             transfer(current)
     return current

@@ -48,8 +48,22 @@ class ElasticEnvironment(LightningEnvironment):
         return 0
 
 
+def forget_old_meshes() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches. They key a DeviceMesh by its rank layout,
+    not by this process's rank or groups: after a world change, an op on a mesh of the same shape would otherwise
+    get back tensors of an old generation's mesh (a stale rank, dead groups), which DCP and `full_tensor` read."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
+
+
 def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None:
-    """Make Lightning see this process as ``rank`` of ``world_size``."""
+    """Make Lightning see this process as ``rank`` of ``world_size`` (a new generation: no old mesh survives in
+    DTensor's caches)."""
+    forget_old_meshes()
     env = strategy.cluster_environment
     if not isinstance(env, ElasticEnvironment):
         local = env.local_rank() if env is not None else 0

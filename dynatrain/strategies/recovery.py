@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from dynatrain.engine.transition import run_transition
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.strategies.elastic import set_world
+from dynatrain.strategies.elastic import forget_old_meshes, set_world
 from dynatrain.strategies.switch import PhaseTimer, collect_sources, state_specs
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -139,6 +139,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     _drop_groups([*strategy._meshes.values(), strategy._device_mesh])
     strategy._meshes.clear()
     strategy._device_mesh = module._device_mesh = None
+    forget_old_meshes()  # the caches hold old meshes, which hold the groups
     old_world.leave(barrier=False)
     survivors = manager.agree_on_survivors({"step": step})
     members = list(old_world.members)

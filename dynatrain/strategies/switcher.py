@@ -345,12 +345,12 @@ class Switcher:
         join_ids = [uid[j] for j in joiners]
         plan = plan_switch(old_layout, target, leave=leave_ids, joiners=join_ids,
                            rank_map=strategy.rank_map, budget_bytes=strategy.switch_budget_bytes)
-        target_members, target_ranks = _target_ranks(plan, union)
+        target_members, target_ranks = _target_ranks(plan, union, members)
         if not mesh_safe(target_ranks, target):
             # Mesh groups keep sorted ranks: place the same processes in ascending order.
             plan = plan_switch(old_layout, target, leave=leave_ids, joiners=join_ids,
                                rank_map=sorted(plan.new.processes), budget_bytes=strategy.switch_budget_bytes)
-            target_members, target_ranks = _target_ranks(plan, union)
+            target_members, target_ranks = _target_ranks(plan, union, members)
         src = collect_sources(model, optimizer)
         validate_sources(plan, me, src)
         timer.lap("plan")
@@ -376,9 +376,11 @@ class Switcher:
         moved: dict = {}
 
         def transfer(world) -> None:
-            moved["dst"], moved["stats"] = run_transition(plan, world.rank, src, device=strategy.root_device)
+            moved["dst"], moved["stats"] = run_transition(plan, me, src, group_ranks=_ranks_in(world, union),
+                                                          device=strategy.root_device)
 
-        world = manager.change_world(target_members, transfer)  # the engine empties `src` as it sends
+        # The engine empties `src` as it sends.
+        world = manager.change_world(target_members, transfer, order=target_members)
         timer.lap("transfer")
         stats = moved["stats"]
         if world is None:
@@ -422,7 +424,8 @@ class Switcher:
         moved: dict = {}
 
         def transfer(world) -> None:
-            moved["dst"], moved["stats"] = run_transition(plan, world.rank, {}, device=strategy.root_device)
+            moved["dst"], moved["stats"] = run_transition(plan, me, {}, group_ranks=_ranks_in(world, payload["union"]),
+                                                          device=strategy.root_device)
 
         world = manager.join_world(t, transfer)
         set_world(strategy, world.rank, world.world_size)
@@ -587,7 +590,19 @@ class Switcher:
             trainer.fit_loop.max_batches = self.accumulation_offset + sampler.remaining_in_epoch() // micro
 
 
-def _target_ranks(plan, union: list[str]) -> tuple[list[str], list[int]]:
-    """The target generation's members and, per new mesh position, its rank there (index in sorted members)."""
-    members = sorted(union[p] for p in plan.new.rank_map)
-    return members, [members.index(union[p]) for p in plan.new.rank_map]
+def _target_ranks(plan, union: list[str], members: list[str]) -> tuple[list[str], list[int]]:
+    """The target generation's members in rank order and, per new mesh position, its rank there.
+
+    Ranks follow the mesh positions, so every mesh group's ranks ascend whatever arrangement the planner chose;
+    except when that would hand rank 0 (logging, checkpoints) to a joiner while a current member stays: then
+    ranks follow the sorted member ids, as the members' ranks always did."""
+    order = [union[p] for p in plan.new.rank_map]
+    if order[0] in members or not any(m in members for m in order):
+        return order, list(range(len(order)))
+    ranked = sorted(order)
+    return ranked, [ranked.index(m) for m in order]
+
+
+def _ranks_in(world, union: list[str]) -> dict[int, int]:
+    """Plan process id (index in the sorted union) -> rank in ``world``."""
+    return {p: world.members.index(m) for p, m in enumerate(union) if m in world.members}
