@@ -1,5 +1,6 @@
 """`dynatrain fit --elastic.*` end to end: store, members, a standby process started through `dynatrain join`,
-a scripted trace that scales out onto it, the switch log and the loss plot; and the launcher's bad input."""
+a scripted trace that scales out onto it and back in, snapshots across both, the switch log and the loss plot;
+and the launcher's bad input."""
 
 import json
 import os
@@ -19,10 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 def _recipe(tmp_path: Path) -> Path:
     cfg = yaml.safe_load((REPO / "recipes/llama-debug-elastic.yaml").read_text())
     trainer = cfg["trainer"]
-    trainer.update(devices=2, max_steps=6, log_every_n_steps=1, default_root_dir=str(tmp_path / "run"))
+    trainer.update(devices=2, max_steps=8, log_every_n_steps=1, default_root_dir=str(tmp_path / "run"))
     trainer["strategy"]["init_args"]["parallel"] = "dp_shard=2"
     elastic = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ElasticCallback"))
-    elastic["init_args"].update(trace=[{"step": 2, "devices": 3}], max_devices=3)
+    elastic["init_args"].update(trace=[{"step": 2, "devices": 3}, {"step": 4, "devices": 2}], max_devices=3)
+    snapshot = next(c for c in trainer["callbacks"] if c["class_path"].endswith("Snapshot"))
+    snapshot["init_args"].update(every_n_steps=2, dirpath=str(tmp_path / "snapshots"))
     trainer["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
                           "init_args": {"save_dir": str(tmp_path / "run"), "name": "csv"}}]
     cfg["model"]["model_overrides"] = {"n_layers": 2}
@@ -45,8 +48,13 @@ def test_elastic_launcher_scales_out_through_a_standby_dynatrain_join(tmp_path):
     jsonl = list((tmp_path / "run").rglob("switches.jsonl"))
     assert len(jsonl) == 1, out[-3000:]
     records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
-    assert [(r["old_world_size"], r["world_size"]) for r in records] == [(2, 3)]
+    assert [(r["old_world_size"], r["world_size"]) for r in records] == [(2, 3), (3, 2)]
     assert all(r["verified"] for r in records)
+    # Snapshots are written and committed across both world changes; the last one by the 2 processes left.
+    from dynatrain.callbacks.snapshot import latest_snapshot
+
+    assert "snapshot of step" not in out, out[-4000:]
+    assert latest_snapshot(tmp_path / "snapshots").name == "step-8"
     assert list((tmp_path / "run").rglob("loss_switches.png"))
     assert "loss: first step" in out
 

@@ -193,3 +193,28 @@ def test_store_exits_when_its_launcher_dies(tmp_path):
             os.kill(store_pid, signal.SIGKILL)
         except (ProcessLookupError, UnboundLocalError):
             pass
+
+
+def test_a_new_generation_gets_tensors_on_its_own_mesh(tmp_path):
+    """DTensor caches sharding by mesh shape: without forgetting them at a world change, an op on the new
+    generation's mesh hands back a tensor on the old generation's mesh (stale rank, dead groups)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dynatrain.strategies.elastic import forget_old_meshes
+
+    def generation(i: int, forget: bool) -> bool:
+        if forget:
+            forget_old_meshes()
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / f"gen{i}"), 1), rank=0, world_size=1)
+        try:
+            mesh = DeviceMesh("cpu", [0])
+            out = torch.empty_like(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+            return out.device_mesh is mesh
+        finally:
+            dist.destroy_process_group()
+
+    assert generation(0, forget=True)
+    assert generation(1, forget=True)  # on torch 2.13 this fails without forget_old_meshes()
