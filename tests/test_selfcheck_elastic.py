@@ -53,3 +53,16 @@ def test_selfcheck_inject_refuses_an_unknown_scenario():
         main(["selfcheck", "--inject", "disk-dies"])
     text = str(err.value)
     assert "unknown scenario(s) ['disk-dies']" in text and "rank-dies" in text and "joiner-dies" in text, text
+
+
+def test_selfcheck_inject_a_leaver_that_dies_mid_transfer_restarts_from_the_snapshot():
+    """The leaver of a 4 -> 2 scale-in dies as the transfer starts: the survivors stop with a clear error, and the
+    job restarts on 2 processes from the snapshot of step 2, bitwise; one step (step 3) is lost."""
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--inject", "leaver-dies", "--n-layers", "2",
+           "--json", "--timeout", "200"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {k: result[k] for k in ("scenario", "recovered", "steps_lost", "state_equal_to_committed")} == {
+        "scenario": "leaver-dies", "recovered": True, "steps_lost": 1, "state_equal_to_committed": True}
+    assert result["layout_after"] == "dp_shard=2"

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--inject", default=None, metavar="SCENARIOS",
                    help="instead of switches, kill a process for real and check the job's recovery: "
-                        "rank-dies, joiner-dies, or several separated by ','")
+                        "rank-dies, joiner-dies, leaver-dies, or several separated by ','")
     p.set_defaults(run=run)
 
 

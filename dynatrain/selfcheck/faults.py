@@ -7,6 +7,9 @@ Each scenario runs an elastic job on CPU processes under one store, kills one pr
   survivors must rebuild the state from the replicas in memory and finish the run.
 - ``joiner-dies``: a process that came to join a scale-out dies before it is ready. The scale-out must be dropped
   and training go on on the current world.
+- ``leaver-dies``: a process leaving in a scale-in dies while the switch moves the state. The engine frees shards
+  as it sends them, so the survivors cannot rebuild in memory: they must stop with a clear error (no hang), and
+  the job restarts on the processes left from its latest committed snapshot (taken every 2 steps).
 
 "Committed" is the state after the last optimizer step every process completed. Every process saves it with
 DCP at that boundary (an independent path: DCP's own resharding, not the switch engine); after the fault the
@@ -28,17 +31,22 @@ from dynatrain.selfcheck import oracle
 # optimizer step whose end is the committed state (the fault comes during the next one).
 SCENARIOS: dict[str, dict] = {
     "rank-dies": {"devices": 4, "layout": "dp_replicate=2,dp_shard=2", "joiners": 0, "victims": [3],
-                  "committed_step": 2, "steps": 4},
+                  "committed_step": 2, "steps": 4, "max_steps_lost": 0},
     "joiner-dies": {"devices": 2, "layout": "dp_shard=2", "joiners": 1, "victims": [],
-                    "committed_step": 2, "steps": 4},
+                    "committed_step": 2, "steps": 4, "max_steps_lost": 0},
+    # The snapshot of step 2 is the committed state; the scale-in to 2 processes at step 3 loses its leaver.
+    "leaver-dies": {"devices": 4, "layout": "dp_shard=4", "joiners": 0, "victims": [3], "committed_step": 2,
+                    "fault_step": 3, "steps": 5, "snapshot_every": 2, "max_steps_lost": 2,
+                    "restart": {"devices": 2, "layout": "dp_shard=2"}},
 }
 
 
 class InjectFault(pl.Callback):
-    def __init__(self, scenario: str, workdir: Path):
+    def __init__(self, scenario: str, workdir: Path, restarted: bool = False):
         if scenario not in SCENARIOS:
             raise ValueError(f"unknown fault scenario {scenario!r}; choose from {sorted(SCENARIOS)}")
         self.scenario, self.spec = scenario, SCENARIOS[scenario]
+        self.restarted = restarted  # the job started again from its latest snapshot after the fault
         self.workdir = Path(workdir)
         self.committed = self.workdir / "committed"
         self.saved = False
@@ -46,9 +54,32 @@ class InjectFault(pl.Callback):
         self.state_equal: bool | None = None
         self.steps_lost: int | None = None
 
+    def callbacks(self) -> list[pl.Callback]:
+        """What the scenario needs besides this callback: snapshots, for the one that restarts from them."""
+        if "snapshot_every" not in self.spec:
+            return []
+        from dynatrain.callbacks.snapshot import Snapshot
+
+        return [Snapshot(every_n_steps=self.spec["snapshot_every"], dirpath=self.snapshots)]
+
+    @property
+    def snapshots(self) -> Path:
+        return self.workdir / "snapshots"
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.restarted:
+            # Restored from the latest snapshot: compare before training on.
+            self.steps_lost = self.spec["fault_step"] - trainer.global_step
+            self._compare(trainer, pl_module)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        if self.saved or trainer.global_step != self.spec["committed_step"] or not strategy._switcher.at_boundary():
+        if self.restarted or not strategy._switcher.at_boundary():
+            return
+        if self.scenario == "leaver-dies" and trainer.global_step == self.spec["fault_step"]:
+            self._scale_in_losing_a_leaver(strategy)
+            return
+        if self.saved or trainer.global_step != self.spec["committed_step"]:
             return
         self.saved = True
         oracle.save(pl_module.model, strategy.optimizers[0], self.committed)
@@ -69,6 +100,18 @@ class InjectFault(pl.Callback):
             # then checks is the committed one).
             self.steps_lost = reports[-1].step - trainer.global_step
             self._compare(trainer, pl_module)
+
+    def _scale_in_losing_a_leaver(self, strategy) -> None:
+        """Half the processes leave; one of them dies as the transfer starts, after its peers began theirs."""
+        if int(os.environ.get("RANK", "-1")) in self.spec["victims"]:
+            import dynatrain.strategies.switcher as switcher
+
+            def die(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            switcher.run_transition = die
+        world = strategy.world_size
+        strategy.request_switch(f"dp_shard={world // 2}", leave=list(range(world // 2, world)))
 
     def _scale_out_to_a_dead_joiner(self, trainer, pl_module) -> None:
         """Ask for one more process; the one that came dies before it is ready. Driven at this boundary until the
@@ -109,11 +152,14 @@ def summarise(scenario: str, members: list[dict | None], steps: int) -> dict:
     """One verdict from the processes that went on (the victims report nothing)."""
     spec = SCENARIOS[scenario]
     alive = [m for m in members if m is not None]
-    went_on = len(alive) == spec["devices"] - len(spec["victims"]) and all(m["global_step"] == steps for m in alive)
+    expected = spec["restart"]["devices"] if "restart" in spec else spec["devices"] - len(spec["victims"])
+    went_on = len(alive) == expected and all(m["global_step"] == steps for m in alive)
     if scenario == "rank-dies":
         recovered = went_on and all(m["recoveries"] == 1 and m["world_size"] == len(alive) for m in alive)
     else:
         recovered = went_on and all(m["switches"] == 0 and m["world_size"] == spec["devices"] for m in alive)
+    if scenario == "leaver-dies":
+        recovered = went_on  # here: the restarted job, on the processes left
     lost = [m["steps_lost"] for m in alive if m["steps_lost"] is not None]
     equal = [m["state_equal"] for m in alive]
     return {"scenario": scenario, "recovered": recovered,
@@ -129,7 +175,7 @@ def run_scenarios(args) -> int:
     import json
     import tempfile
 
-    from dynatrain.launcher import LaunchError, launch_elastic
+    from dynatrain.launcher import LaunchError
 
     names = [n.strip() for n in args.inject.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -148,15 +194,13 @@ def run_scenarios(args) -> int:
                 argv += ["--n-layers", str(args.n_layers)]
             started = time.monotonic()
             try:
-                members, _ = launch_elastic(argv, spec["devices"], Path(tmp), joiners=spec["joiners"],
-                                            timeout=args.timeout, name=name, grace=120, may_die=spec["victims"],
-                                            joiners_may_die=True)
-                verdict = summarise(name, members, spec["steps"])
+                verdict = _run_one(name, spec, argv, Path(tmp), args.timeout)
             except LaunchError as e:
                 verdict = {"scenario": name, "recovered": False, "steps_lost": None,
                            "state_equal_to_committed": False, "error": str(e)[-2000:]}
             verdict["seconds"] = round(time.monotonic() - started, 1)
-        verdict["ok"] = bool(verdict["recovered"] and verdict["steps_lost"] == 0
+        verdict["ok"] = bool(verdict["recovered"] and verdict["steps_lost"] is not None
+                             and verdict["steps_lost"] <= spec["max_steps_lost"]
                              and verdict["state_equal_to_committed"])
         out.append(verdict)
         if not args.json:
@@ -166,3 +210,28 @@ def run_scenarios(args) -> int:
     if args.json:
         print(json.dumps(out[0] if len(out) == 1 else out))
     return 0 if all(v["ok"] for v in out) else 1
+
+
+def _run_one(name: str, spec: dict, argv: list[str], workdir: Path, timeout: float) -> dict:
+    from dynatrain.launcher import LaunchError, launch_elastic, launch_local
+
+    if "restart" not in spec:
+        members, _ = launch_elastic(argv, spec["devices"], workdir, joiners=spec["joiners"], timeout=timeout,
+                                    name=name, grace=120, may_die=spec["victims"], joiners_may_die=True)
+        return summarise(name, members, spec["steps"])
+    # The fault must stop the job with a clear error, on every survivor, well within its timeout...
+    try:
+        launch_elastic(argv, spec["devices"], workdir, timeout=timeout, name=name, grace=120,
+                       may_die=spec["victims"])
+        return {"scenario": name, "recovered": False, "steps_lost": None, "state_equal_to_committed": False,
+                "error": "the job went on after losing a leaver mid-transfer"}
+    except LaunchError as e:
+        if "WorldChangeError" not in str(e):
+            raise
+    # ... and the job then starts again on the processes left, from its latest committed snapshot.
+    restart = spec["restart"]
+    layouts = argv.index("--layouts") + 1
+    again = [*argv[:layouts], restart["layout"], *argv[layouts + 1:], "--restarted"]
+    again.remove("--elastic")
+    members = launch_local(again, restart["devices"], workdir, timeout=timeout, name=f"{name}-restart")
+    return summarise(name, members, spec["steps"])

@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--join-timeout", type=float, default=900.0, help="seconds a joiner waits for its scale-out")
     ap.add_argument("--inject", default=None, help="a fault scenario of dynatrain.selfcheck.faults")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one stretch per layout)")
+    ap.add_argument("--restarted", action="store_true", help="start from the fault scenario's latest snapshot")
     args = ap.parse_args()
     layouts = [s.strip() for s in args.layouts.split(">")]
     steps = args.steps or args.steps_between * len(layouts)
@@ -175,8 +176,10 @@ def main() -> None:
                if args.elastic and not args.static else False)
     strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
                                            verify_switches=False, elastic=elastic)
+    extra = []
     if args.inject:
-        script = faults.InjectFault(args.inject, workdir)
+        script = faults.InjectFault(args.inject, workdir, restarted=args.restarted)
+        extra = script.callbacks()
         if joining:
             faults.die_before_ready()
     else:
@@ -184,12 +187,13 @@ def main() -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[script])
+                         callbacks=[script, *extra])
     overrides = {"n_layers": args.n_layers} if args.n_layers else None
     module = LlamaLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
-    trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+    resume = JOIN_CHECKPOINT if joining else (str(script.snapshots) if args.restarted else None)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
     if args.inject:
         result = script.result(trainer)
     else:

@@ -7,8 +7,9 @@ parallelises a dynatrain `Transformer` itself when the LightningModule does not 
 
 from __future__ import annotations
 
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -325,6 +326,14 @@ class DynaTrainStrategy(ModelParallelStrategy):
             if self._switcher is None or self._switcher.joined is None:
                 raise ValueError(f"ckpt_path={JOIN_CHECKPOINT!r} is for a process started with `dynatrain join`")
             return self._switcher.joined.checkpoint
+        from dynatrain.callbacks.snapshot import is_committed, latest_snapshot, restore_snapshot
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not is_committed(path) and (path / "latest").exists():
+            path = latest_snapshot(path) or path  # a Snapshot directory: its latest committed snapshot
+        if is_committed(path):
+            # A snapshot loads into whatever layout and world this job has; the loop state comes back with it.
+            return restore_snapshot(self, self.lightning_module, path)["checkpoint"]
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:

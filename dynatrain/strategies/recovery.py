@@ -112,7 +112,7 @@ def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
 
 def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     """Every survivor: agree on who is left, re-form the world, rebuild the state from replicas."""
-    from dynatrain.strategies.switcher import WorldChangeError
+    from dynatrain.strategies.switcher import WorldChangeError, _release_freed_memory
 
     timer = PhaseTimer()
     strategy = switcher.strategy
@@ -183,6 +183,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     new_model = strategy.meta_model(config, new_mesh, target)
     switcher._adopt(new_model, new_mesh, target, target_ranks, dst, kept)
     timer.lap("adopt")
+    _release_freed_memory()
     report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),
                             new_layout=target.short(), bytes_moved=plan.bytes_moved,
                             seconds=time.monotonic() - start, cause=cause, phases=timer.phases)
