@@ -49,6 +49,9 @@ def test_elastic_launcher_scales_out_through_a_standby_dynatrain_join(tmp_path):
     assert len(jsonl) == 1, out[-3000:]
     records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
     assert [(r["old_world_size"], r["world_size"]) for r in records] == [(2, 3), (3, 2)]
+    # The process that left at 3 -> 2 stayed as the standby: the launcher never had to start another one.
+    assert "left the job; it waits as a standby process" in out, out[-4000:]
+    assert out.count("dynatrain elastic job: standby process") == 1, out[-4000:]
     assert all(r["verified"] for r in records)
     # Snapshots are written and committed across both world changes; the last one by the 2 processes left.
     from dynatrain.callbacks.snapshot import latest_snapshot
@@ -68,3 +71,67 @@ def test_launcher_options_are_checked(capsys):
         split_elastic_args(["fit", "--elastic.standby", "two"])
     assert main(["fit", "--elastic.max_devices", "2", "--elastic.devices", "3"]) == 2
     assert "above --elastic.max_devices 2" in capsys.readouterr().err
+
+
+def _committed(root: Path, step: int) -> Path:
+    path = root / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / "COMMITTED").write_text("")
+    return path
+
+
+def test_a_failed_job_restarts_from_its_latest_snapshot_on_the_processes_left(tmp_path, monkeypatch):
+    from dynatrain.cli.elastic import ElasticLauncher
+
+    snapshots = tmp_path / "snapshots"
+    _committed(snapshots, 2)
+    latest = _committed(snapshots, 4)
+    (snapshots / "step-6.partial").mkdir()  # half-written: never restarted from
+    runs = []
+
+    def fake(outcomes):
+        def run_once(self, devices, resume):
+            runs.append((devices, resume))
+            return outcomes.pop(0)
+        return run_once
+
+    launcher = ElasticLauncher({"devices": 4, "restarts": 2}, ["fit"])
+    monkeypatch.setattr(ElasticLauncher, "_run_once", fake([(1, 3, str(snapshots)), (0, 3, str(snapshots))]))
+    assert launcher.run() == 0
+    assert runs == [(4, None), (3, str(latest))]
+
+    # Out of restarts, no snapshot announced, or nobody left: the failure stands.
+    for opts, outcomes in [({"devices": 2, "restarts": 0}, [(1, 1, str(snapshots))]),
+                           ({"devices": 2}, [(1, 1, None)]),
+                           ({"devices": 2}, [(1, 0, str(snapshots))])]:
+        runs.clear()
+        monkeypatch.setattr(ElasticLauncher, "_run_once", fake(outcomes))
+        assert ElasticLauncher(opts, ["fit"]).run() == 1 and len(runs) == 1
+    with pytest.raises(ValueError, match="--elastic.restarts must be >= 0"):
+        ElasticLauncher({"restarts": -1}, ["fit"])
+
+
+def test_after_a_failure_the_processes_killed_from_outside_do_not_count(monkeypatch):
+    from types import SimpleNamespace
+
+    from dynatrain.cli.elastic import ElasticLauncher
+
+    def proc(code):
+        return SimpleNamespace(poll=lambda: code, returncode=code)
+
+    launcher = ElasticLauncher({"devices": 4, "timeout": 1}, ["fit"])
+    # killed (SIGKILL), stopped with an error, exited cleanly, a standby process
+    launcher.procs = {1: (proc(-9), "member"), 2: (proc(1), "member"), 3: (proc(0), "member"), 4: (proc(1), "standby")}
+    assert launcher._wind_down() == 2
+
+
+def test_a_restart_command_line_is_one_lightning_accepts(capsys):
+    """What the launcher adds for a restart: the snapshot to resume from, and a layout for the processes left."""
+    recipe = str(REPO / "recipes/llama-debug-elastic.yaml")
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", recipe, "--trainer.devices", "3", "--ckpt_path", "runs/snapshots",
+              "--trainer.strategy.init_args.parallel", "auto", "--print_config"])
+    assert done.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"]["init_args"]["parallel"] == "auto"
+    assert printed["ckpt_path"] == "runs/snapshots" and str(printed["trainer"]["devices"]) == "3"

@@ -105,20 +105,6 @@ def test_rank_zero_leaves_and_hands_over_logging(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_joiner_that_never_gets_ready_is_dropped(tmp_path):
-    steps = 24
-    members, joiners = launch_elastic(
-        "elastic.py", 2, ["--layout", "dp_shard=2", "--steps", str(steps), "--switches", "1:dp_shard=3",
-                          "--join-timeout", "2"],
-        tmp_path, joiners=[["--never-ready"]],
-    )
-    for m in members:
-        assert not m["left"] and m["layout"] == "dp_shard=2" and m["global_step"] == steps and not m["reports"]
-    assert any("scale-out to dp_shard=3 dropped" in w for w in members[0]["warnings"]), members[0]["warnings"]
-    assert "not admitted" in joiners[0]["not_admitted"]
-
-
-@pytest.mark.timeout(300)
 def test_a_leaver_killed_before_the_switch_stops_the_job_with_a_clear_error(tmp_path):
     import time
 

@@ -38,6 +38,7 @@ from dynatrain.strategies.elastic import loop_checkpoint
 
 log = logging.getLogger("dynatrain.snapshot")
 
+SNAPSHOTS_KEY = "elastic/snapshots"  # in an elastic job's store: the snapshot directory
 MARKER = "COMMITTED"
 META = "snapshot.json"
 LATEST = "latest"
@@ -159,6 +160,10 @@ class Snapshot(pl.Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "snapshots"
         self._strategy = trainer.strategy
+        manager = getattr(trainer.strategy, "elastic", None)
+        if manager is not None and trainer.global_rank == 0:
+            # Where an elastic launcher finds the snapshot to restart the job from after an unrecoverable fault.
+            manager.store.set(SNAPSHOTS_KEY, str(Path(self.dirpath).resolve()))
         guards = getattr(trainer.strategy, "switch_guards", None)
         if guards is not None and self._guard not in guards:
             guards.append(self._guard)

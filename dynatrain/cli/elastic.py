@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, TOKEN_ENV
+from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
-           "host": str, "workdir": str}
+           "host": str, "workdir": str, "restarts": int}
 JOB_ARGV_KEY = "elastic/job_argv"
 
 
@@ -81,6 +81,9 @@ class ElasticLauncher:
         self.standby = opts.get("standby", 0)
         if self.standby < 0:
             raise ValueError(f"--elastic.standby must be >= 0, got {self.standby}")
+        self.restarts = opts.get("restarts", 1)
+        if self.restarts < 0:
+            raise ValueError(f"--elastic.restarts must be >= 0, got {self.restarts}")
         self.argv = argv
         self.workdir = Path(opts.get("workdir") or "runs/.elastic")
         self.host = opts.get("host", "127.0.0.1")
@@ -89,6 +92,28 @@ class ElasticLauncher:
         self.procs: dict[int, tuple[subprocess.Popen, str]] = {}  # pid -> (process, "member" | "standby")
 
     def run(self) -> int:
+        """Run the job; after a fault its processes could not recover from in memory, start it again from its
+        latest committed snapshot on the processes still there (at most ``restarts`` times)."""
+        from dynatrain.callbacks.snapshot import latest_snapshot
+
+        devices, resume = self.devices, None
+        for attempt in range(self.restarts + 1):
+            rc, left, snapshots = self._run_once(devices, resume)
+            latest = latest_snapshot(snapshots) if snapshots else None
+            if rc == 0 or attempt == self.restarts or latest is None or left < 1:
+                if rc and latest is None:
+                    print("dynatrain elastic job: no committed snapshot to restart from (add the "
+                          "dynatrain.callbacks.Snapshot callback)", file=sys.stderr, flush=True)
+                return rc
+            devices, resume = min(left, self.max_devices), str(latest)
+            print(f"dynatrain elastic job: restarting on {devices} processes from snapshot {latest} "
+                  f"(restart {attempt + 1} of {self.restarts})", flush=True)
+        return 1
+
+    def _run_once(self, devices: int, resume: str | None) -> tuple[int, int, str | None]:
+        """One life of the job: its store, members and standby pool. Returns (status, processes still there,
+        the snapshot directory the job announced)."""
+        from dynatrain.callbacks.snapshot import SNAPSHOTS_KEY
         from dynatrain.elastic.store import connect, start_store
 
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -98,17 +123,27 @@ class ElasticLauncher:
         token_file.chmod(0o600)
         store_proc = start_store(token, self.workdir, host=self.host)
         store = connect(store_proc.endpoint, token)
+        argv = [*self.argv, "--trainer.devices", str(devices)]
+        if resume is not None:
+            # The layout the job had may not fit the processes left: let the strategy pick one for them.
+            argv += ["--ckpt_path", resume, "--trainer.strategy.init_args.parallel", "auto"]
         store.set(JOB_ARGV_KEY, json.dumps(self.argv))
         self.env = {**os.environ, ENDPOINT_ENV: store_proc.endpoint, TOKEN_ENV: token,
                     ELASTIC_ENV: json.dumps(self.config), "PYTHONUNBUFFERED": "1"}
-        print(f"dynatrain elastic job: store {store_proc.endpoint}, {self.devices} processes, up to "
+        if self.standby:
+            self.env[REJOIN_ENV] = "1"  # a process that leaves stays as a standby instead of exiting
+        print(f"dynatrain elastic job: store {store_proc.endpoint}, {devices} processes, up to "
               f"{self.max_devices}; add one with: dynatrain join --endpoint {store_proc.endpoint} "
               f"--token-file {token_file}", flush=True)
+        self.procs = {}
         try:
-            for rank in range(self.devices):
-                self._start_member(rank)
+            for rank in range(devices):
+                self._start_member(rank, devices, argv)
             self._refill()
-            return self._watch(store)
+            rc = self._watch(store)
+            left = self._wind_down() if rc else devices
+            snapshots = store.get(SNAPSHOTS_KEY).decode() if store.check([SNAPSHOTS_KEY]) else None
+            return rc, left, snapshots
         finally:
             for proc, _ in self.procs.values():
                 if proc.poll() is None:
@@ -120,11 +155,19 @@ class ElasticLauncher:
                     proc.kill()
             store_proc.stop()
 
-    def _start_member(self, rank: int) -> None:
-        env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(self.devices), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(self.devices), NODE_RANK="0")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.devices)))
-        argv = [*self.argv, "--trainer.devices", str(self.devices)]
+    def _wind_down(self) -> int:
+        """After a failure: give the members the elastic timeout to stop on their own (they raise a clear error
+        once a peer is gone), then count those that are still there, i.e. not killed from outside."""
+        deadline = time.monotonic() + self.config["timeout"] + 30
+        members = [p for p, k in self.procs.values() if k == "member"]
+        while any(p.poll() is None for p in members) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return sum(1 for p in members if p.poll() is None or p.returncode >= 0)
+
+    def _start_member(self, rank: int, devices: int, argv: list[str]) -> None:
+        env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(devices), NODE_RANK="0")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
         proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
         self.procs[proc.pid] = (proc, "member")
 
@@ -134,6 +177,7 @@ class ElasticLauncher:
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "join"], env=env)
         self.procs[proc.pid] = (proc, "standby")
+        print(f"dynatrain elastic job: standby process {proc.pid} started", flush=True)
 
     def _alive(self, kind: str | None = None) -> list[subprocess.Popen]:
         return [p for p, k in self.procs.values() if p.poll() is None and (kind is None or k == kind)]
@@ -142,16 +186,25 @@ class ElasticLauncher:
         while len(self._alive("standby")) < self.standby and len(self._alive()) < self.max_devices:
             self._start_standby()
 
-    def _admitted(self, store, pid: int) -> bool:
-        """A standby process whose member id (``NNNNNN-<pid>``) was admitted to a world change."""
-        count = store.add("elastic/joiner_seq", 0)
-        return any(store.check([f"admit/{n:06d}-{pid}"]) for n in range(1, count + 1))
+    def _joiner_state(self, store, pid: int) -> str | None:
+        """For a process's latest joiner id (``NNNNNN-<pid>``): "admitted", "waiting", or None if it never
+        registered as a joiner."""
+        for n in range(store.add("elastic/joiner_seq", 0), 0, -1):
+            member = f"{n:06d}-{pid}"
+            if store.check([f"registry/info/{member}"]):
+                return "admitted" if store.check([f"admit/{member}"]) else "waiting"
+        return None
 
     def _watch(self, store) -> int:
         while True:
             for pid, (proc, kind) in list(self.procs.items()):
-                if kind == "standby" and proc.poll() is None and self._admitted(store, pid):
+                if proc.poll() is not None:
+                    continue
+                state = self._joiner_state(store, pid)
+                if kind == "standby" and state == "admitted":
                     self.procs[pid] = (proc, "member")
+                elif kind == "member" and state == "waiting":
+                    self.procs[pid] = (proc, "standby")  # a member that left and now waits to join again
             members = [(p, k) for p, k in self.procs.values() if k == "member"]
             failed = [p for p, _ in members if p.poll() not in (None, 0)]
             if failed:

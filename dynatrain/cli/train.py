@@ -8,6 +8,7 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from dynatrain.elastic.manager import REJOIN_ENV
 from dynatrain.launcher import teardown_distributed
 
 
@@ -65,6 +66,20 @@ class _DynaTrainCLI(LightningCLI):
     before_fit = before_validate = before_test = _check
 
 
+def _stay_as_standby() -> None:
+    """A process that left the job becomes one of its standby processes: the same process, started over as
+    `dynatrain join`, so it registers again and waits for the next scale-out instead of exiting."""
+    import sys
+
+    print(f"dynatrain: process {os.getpid()} left the job; it waits as a standby process for the next scale-out",
+          file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        os.environ.pop(key, None)
+    os.execv(sys.executable, [sys.executable, "-m", "dynatrain.cli", "join"])
+
+
 def run_lightning_cli(argv: list[str]) -> int:
     import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
     from dynatrain.data import LlamaDataModule
@@ -80,6 +95,8 @@ def run_lightning_cli(argv: list[str]) -> int:
         seed_everything_default=1234,
     )
     trainer = cli.trainer
+    if getattr(trainer.strategy, "detached", False) and os.environ.get(REJOIN_ENV) == "1":
+        _stay_as_standby()
     if trainer.is_global_zero and argv and argv[0] == "fit":
         losses = getattr(cli.model, "step_losses", [])
         if losses:

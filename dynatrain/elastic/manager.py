@@ -12,6 +12,7 @@ the store under ``elastic/switch/<generation>`` before the transition is announc
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -34,6 +35,7 @@ ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"
 TOKEN_ENV = "DYNATRAIN_TOKEN"
 ELASTIC_ENV = "DYNATRAIN_ELASTIC"  # the launcher's ElasticConfig (JSON), for strategies created without one
 JOIN_ENV = "DYNATRAIN_JOIN"  # set (to "1") in a process that joins a running job instead of starting one
+REJOIN_ENV = "DYNATRAIN_REJOIN"  # set (to "1") by a launcher with a standby pool: a leaver stays as a standby
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
 
 
@@ -131,7 +133,16 @@ class ElasticManager:
                     return  # the store is gone: the job is over
 
         store.add(key, 1)
-        threading.Thread(target=beat, name="dynatrain-heartbeat", daemon=True).start()
+        thread = threading.Thread(target=beat, name="dynatrain-heartbeat", daemon=True)
+        thread.start()
+
+        def stop_at_exit() -> None:
+            # A daemon thread still inside the store's C++ client when the interpreter ends aborts the process
+            # ("terminate called without an active exception"): end it first.
+            stop.set()
+            thread.join(timeout=5)
+
+        atexit.register(stop_at_exit)
 
     def stop_heartbeat(self) -> None:
         if self._beating is not None:

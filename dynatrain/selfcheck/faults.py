@@ -189,7 +189,7 @@ def run_scenarios(args) -> int:
                     "--steps", str(spec["steps"]), "--global-batch", str(12 * args.micro_batch),
                     "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
                     "--budget-mb", str(args.budget_mb), "--workdir", tmp, "--inject", name, "--elastic",
-                    "--elastic-timeout", "60", "--join-timeout", "10"]
+                    "--elastic-timeout", "20", "--join-timeout", "10"]
             if args.n_layers:
                 argv += ["--n-layers", str(args.n_layers)]
             started = time.monotonic()

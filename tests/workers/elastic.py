@@ -100,7 +100,6 @@ def main() -> None:
     ap.add_argument("--static", action="store_true", help="no elastic manager: the reference run")
     ap.add_argument("--die", default="", help="STEP:RANK killed at the boundary of a pending switch")
     ap.add_argument("--join-timeout", type=float, default=120.0)
-    ap.add_argument("--never-ready", action="store_true", help="a joiner that registers but never gets ready")
     ap.add_argument("--preempt", default="", help="STEP:RANK gets SIGTERM (ElasticCallback with preemption on)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--crash", default="", help="STEP:RANK is SIGKILLed in the middle of that optimizer step")
@@ -137,19 +136,9 @@ def main() -> None:
     module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=64, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                            max_corpus_bytes=400_000)
-    if args.never_ready:
-        from dynatrain.elastic.manager import ElasticManager
-
-        ElasticManager.mark_ready = lambda self: None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
-        except TimeoutError as e:
-            if not args.never_ready:
-                raise
-            finish_rank(args.out, {"not_admitted": str(e)})
-            return
+        trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
     result = {
         "losses": module.step_losses,
         "left": strategy.detached,
