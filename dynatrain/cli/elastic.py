@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV
+from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV, initial_member
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
            "host": str, "workdir": str, "restarts": int}
@@ -89,7 +89,9 @@ class ElasticLauncher:
         self.host = opts.get("host", "127.0.0.1")
         self.config = {"max_devices": self.max_devices, "join_timeout": opts.get("join_timeout", 300.0),
                        "timeout": opts.get("timeout", 120.0)}
-        self.procs: dict[int, tuple[subprocess.Popen, str]] = {}  # pid -> (process, "member" | "standby")
+        # pid -> (process, "member" | "standby" | "leaving"), and the rank of each process started as a member
+        self.procs: dict[int, tuple[subprocess.Popen, str]] = {}
+        self.ranks: dict[int, int] = {}
 
     def run(self) -> int:
         """Run the job; after a fault its processes could not recover from in memory, start it again from its
@@ -135,7 +137,7 @@ class ElasticLauncher:
         print(f"dynatrain elastic job: store {store_proc.endpoint}, {devices} processes, up to "
               f"{self.max_devices}; add one with: dynatrain join --endpoint {store_proc.endpoint} "
               f"--token-file {token_file}", flush=True)
-        self.procs = {}
+        self.procs, self.ranks = {}, {}
         try:
             for rank in range(devices):
                 self._start_member(rank, devices, argv)
@@ -170,6 +172,7 @@ class ElasticLauncher:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
         proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
         self.procs[proc.pid] = (proc, "member")
+        self.ranks[proc.pid] = rank
 
     def _start_standby(self) -> None:
         """A process that waits to join: exactly what `dynatrain join` starts on another machine."""
@@ -183,16 +186,24 @@ class ElasticLauncher:
         return [p for p, k in self.procs.values() if p.poll() is None and (kind is None or k == kind)]
 
     def _refill(self) -> None:
+        if any(p.poll() == 0 for p, k in self.procs.values() if k == "member"):
+            return  # a member finished training: the job is ending, no process will join it any more
         while len(self._alive("standby")) < self.standby and len(self._alive()) < self.max_devices:
             self._start_standby()
 
-    def _joiner_state(self, store, pid: int) -> str | None:
-        """For a process's latest joiner id (``NNNNNN-<pid>``): "admitted", "waiting", or None if it never
-        registered as a joiner."""
-        for n in range(store.add("elastic/joiner_seq", 0), 0, -1):
-            member = f"{n:06d}-{pid}"
+    def _state(self, store, pid: int) -> str | None:
+        """Where a process stands, from its latest member id in the store: "admitted", "waiting" (a registered
+        joiner), "left" (it left the world and has not registered again yet), or None (nothing to change)."""
+        ids = [f"{n:06d}-{pid}" for n in range(store.add("elastic/joiner_seq", 0), 0, -1)]
+        rank = self.ranks.get(pid)
+        if rank is not None:
+            ids.append(initial_member(rank))
+        for member in ids:
             if store.check([f"registry/info/{member}"]):
-                return "admitted" if store.check([f"admit/{member}"]) else "waiting"
+                if store.check([f"registry/left/{member}"]):
+                    return "left"
+                started_with_the_job = rank is not None and member == initial_member(rank)
+                return "admitted" if started_with_the_job or store.check([f"admit/{member}"]) else "waiting"
         return None
 
     def _watch(self, store) -> int:
@@ -200,11 +211,14 @@ class ElasticLauncher:
             for pid, (proc, kind) in list(self.procs.items()):
                 if proc.poll() is not None:
                     continue
-                state = self._joiner_state(store, pid)
-                if kind == "standby" and state == "admitted":
+                state = self._state(store, pid)
+                if kind != "member" and state == "admitted":
                     self.procs[pid] = (proc, "member")
-                elif kind == "member" and state == "waiting":
-                    self.procs[pid] = (proc, "standby")  # a member that left and now waits to join again
+                elif state == "waiting":
+                    self.procs[pid] = (proc, "standby")  # new, or a member that left and waits to join again
+                elif kind == "member" and state == "left":
+                    # Between leaving and registering again: neither a member the job waits for nor a standby.
+                    self.procs[pid] = (proc, "leaving")
             members = [(p, k) for p, k in self.procs.values() if k == "member"]
             failed = [p for p, _ in members if p.poll() not in (None, 0)]
             if failed:
