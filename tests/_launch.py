@@ -46,3 +46,16 @@ def retry_on_lost_peer(run, attempts: int = 2):
             if not lost or attempt == attempts - 1:
                 raise
             warnings.warn(f"lost a peer to a transport timeout, running once more: {str(e)[:300]}", stacklevel=2)
+
+
+def wait_for(predicate, timeout: float = 10.0):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail the test after ``timeout``."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("condition not met within the timeout")

@@ -15,7 +15,6 @@ import os
 import pickle
 import socket
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from dynatrain.elastic import signals
+from tests._launch import wait_for
 from dynatrain.elastic.signals import ControlServer, FileSource, SignalHub
 from dynatrain.models.configs import get_model_config
 
@@ -200,16 +200,6 @@ def test_a_joiner_with_another_model_config_or_code_version_is_refused_at_regist
 
 
 # ------------------------------------------------------------------------------------------ malformed signal file
-def _wait_for(predicate, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not met within the timeout")
-
-
 def _replace(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data)
@@ -231,13 +221,13 @@ def test_a_malformed_signal_file_is_rejected_with_the_fix_and_nothing_is_queued(
         FileSource(hub, path, poll_seconds=0.02)
         for i, (data, expected) in enumerate(cases, start=1):
             _replace(path, data)
-            _wait_for(lambda: len(hub.rejected) == i)
+            wait_for(lambda: len(hub.rejected) == i)
             reason = hub.rejected[-1].reason
             assert reason.startswith(f"file {path}: ") and expected in reason, reason
             if "file is" not in reason:
                 assert '{"devices": 3} or {"layout": "dp_shard=2,tp=2"}' in reason  # says what to write
         _replace(path, b'{"devices": 5}')  # well formed, beyond the job's limit
-        _wait_for(lambda: len(hub.rejected) == len(cases) + 1)
+        wait_for(lambda: len(hub.rejected) == len(cases) + 1)
         assert "devices=5, above max_devices=4: ask for at most 4" in hub.rejected[-1].reason
         assert hub.poll() is None
     finally:

@@ -15,21 +15,12 @@ import pytest
 
 from dynatrain.cli import main as dynatrain_main
 from dynatrain.elastic import signals
+from tests._launch import wait_for
 from dynatrain.elastic.signals import (
     ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource,
 )
 
 TOKEN = "job-token-7f3a"
-
-
-def _wait_for(predicate, timeout: float = 5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not met within the timeout")
 
 
 # ------------------------------------------------------------------------------------------------- preemption
@@ -42,7 +33,7 @@ def test_sigterm_queues_this_rank_leaving_and_keeps_the_process_alive():
         source = PreemptionSource(hub, rank=3, grace_seconds=20.0)
         assert signal.getsignal(signal.SIGTERM) == source._handle
         os.kill(os.getpid(), signal.SIGTERM)
-        request = _wait_for(hub.poll)
+        request = wait_for(hub.poll)
     finally:
         hub.close()
     assert (request.leave, request.source, request.devices, request.layout) == ((3,), "preemption", None, None)
@@ -58,7 +49,7 @@ def test_repeated_signal_keeps_the_first_deadline_and_one_request():
     try:
         source = PreemptionSource(hub, rank=1, signum=signal.SIGUSR1, grace_seconds=5.0)
         os.kill(os.getpid(), signal.SIGUSR1)
-        first = _wait_for(lambda: source.deadline)
+        first = wait_for(lambda: source.deadline)
         time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.05)
@@ -269,21 +260,21 @@ def test_file_source_submits_changes_and_rejects_malformed_content_once(tmp_path
     try:
         _write(path, '{"devices": 3}')
         FileSource(hub, path, poll_seconds=0.02)
-        request = _wait_for(hub.poll)
+        request = wait_for(hub.poll)
         assert (request.devices, request.source) == (3, "file")
 
         _write(path, '{"devices": 3,')
-        _wait_for(lambda: hub.rejected)
+        wait_for(lambda: hub.rejected)
         time.sleep(0.2)  # ten more polls of the same malformed content
         assert len(hub.rejected) == 1 and "scale.json" in hub.rejected[0].reason
         assert hub.poll() is None
 
         _write(path, '{"devices": 3, "why": 1}')
-        _wait_for(lambda: len(hub.rejected) == 2)
+        wait_for(lambda: len(hub.rejected) == 2)
         assert "'why'" in hub.rejected[1].reason
 
         _write(path, '{"layout": "dp_shard=2,tp=2"}')
-        assert _wait_for(hub.poll).layout == "dp_shard=2,tp=2"
+        assert wait_for(hub.poll).layout == "dp_shard=2,tp=2"
         time.sleep(0.1)
         assert hub.poll() is None and len(hub.rejected) == 2
     finally:
@@ -297,7 +288,7 @@ def test_file_source_waits_for_the_file_and_stops_on_close(tmp_path):
     time.sleep(0.1)
     assert hub.poll() is None and hub.rejected == []
     _write(path, '{"devices": 2}')
-    assert _wait_for(hub.poll).devices == 2
+    assert wait_for(hub.poll).devices == 2
     hub.close()
     assert not source._thread.is_alive()
     _write(path, '{"devices": 4}')
