@@ -84,16 +84,16 @@ def test_a_process_killed_without_a_replica_stops_the_job_with_a_clear_error(tmp
 
 
 @pytest.mark.timeout(300)
-def test_rank_zero_leaves_and_hands_over_logging(tmp_path):
-    steps = 5
+def test_rank_zero_leaves_and_hands_over_logging(tmp_path, static_losses):
+    steps = STEPS
     args = ["--layout", "dp_shard=3", "--steps", str(steps)]
-    static = launch("elastic.py", 3, [*args, "--static"], tmp_path / "s")
     members, _ = launch_elastic("elastic.py", 3, [*args, "--switches", "2:dp_shard=2:0", "--log-dir",
                                                   str(tmp_path / "logs")], tmp_path / "e")
     assert members[0]["left"] and not members[1]["left"] and not members[2]["left"]
     assert [members[1]["global_rank"], members[2]["global_rank"]] == [0, 1]
     assert all(m["world_size"] == 2 and m["layout"] == "dp_shard=2" for m in members[1:])
-    assert all(_close(a, b) for a, b in zip(members[1]["losses"], static[0]["losses"]))
+    assert len(members[1]["losses"]) == steps
+    assert all(_close(a, b) for a, b in zip(members[1]["losses"], static_losses))
     # The new rank 0 writes into the run directory the old rank 0 chose, and goes on where it stopped.
     assert members[0]["log_dir"] == members[1]["log_dir"] == members[2]["log_dir"]
     import csv

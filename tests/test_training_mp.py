@@ -28,7 +28,6 @@ def reference(tmp_path_factory):
     "layout,nprocs,expected",
     [
         ("auto", 2, "dp_replicate=1,dp_shard=2,tp=1"),
-        ("dp_shard=4", 4, "dp_replicate=1,dp_shard=4,tp=1"),
         ("dp_shard=2,tp=2", 4, "dp_replicate=1,dp_shard=2,tp=2"),
         ("dp_replicate=2,dp_shard=2", 4, "dp_replicate=2,dp_shard=2,tp=1"),
     ],

@@ -7,7 +7,7 @@ Each scenario runs an elastic job on CPU processes under one store, kills one pr
   survivors must rebuild the state from the replicas in memory and finish the run.
 - ``joiner-dies``: a process that came to join a scale-out dies before it is ready. The scale-out must be dropped
   and training go on on the current world.
-- ``leaver-dies``: a process leaving in a scale-in dies while the switch moves the state. The engine frees shards
+- ``leaver-dies``: the process leaving in a 2 -> 1 scale-in dies while the switch moves the state. The engine frees shards
   as it sends them, so the survivors cannot rebuild in memory: they must stop with a clear error (no hang), and
   the job restarts on the processes left from its latest committed snapshot (taken every 2 steps).
 
@@ -34,10 +34,10 @@ SCENARIOS: dict[str, dict] = {
                   "committed_step": 2, "steps": 4, "max_steps_lost": 0},
     "joiner-dies": {"devices": 2, "layout": "dp_shard=2", "joiners": 1, "victims": [],
                     "committed_step": 2, "steps": 4, "max_steps_lost": 0},
-    # The snapshot of step 2 is the committed state; the scale-in to 2 processes at step 3 loses its leaver.
-    "leaver-dies": {"devices": 4, "layout": "dp_shard=4", "joiners": 0, "victims": [3], "committed_step": 2,
+    # The snapshot of step 2 is the committed state; the scale-in to 1 process at step 3 loses its leaver.
+    "leaver-dies": {"devices": 2, "layout": "dp_shard=2", "joiners": 0, "victims": [1], "committed_step": 2,
                     "fault_step": 3, "steps": 5, "snapshot_every": 2, "max_steps_lost": 2,
-                    "restart": {"devices": 2, "layout": "dp_shard=2"}},
+                    "restart": {"devices": 1, "layout": "dp_shard=1"}},
 }
 
 
