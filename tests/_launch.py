@@ -1,4 +1,5 @@
-"""Start worker scripts of tests/workers on N ranks. Lightning under pytest would re-launch pytest itself."""
+"""Helpers of the tests: start worker scripts of tests/workers on N ranks (Lightning under pytest would re-launch
+pytest itself), wait for a condition, replace a watched file at once."""
 
 from __future__ import annotations
 
@@ -59,3 +60,12 @@ def wait_for(predicate, timeout: float = 10.0):
             return value
         time.sleep(0.01)
     raise AssertionError("condition not met within the timeout")
+
+
+def replace_file(path: Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` the way a writer should for a file another process watches: all at once."""
+    import os
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)

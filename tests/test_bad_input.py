@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import inspect
 import json
-import os
 import pickle
 import socket
 import sys
@@ -22,7 +21,7 @@ import pytest
 import yaml
 
 from dynatrain.elastic import signals
-from tests._launch import wait_for
+from tests._launch import replace_file, wait_for
 from dynatrain.elastic.signals import ControlServer, FileSource, SignalHub
 from dynatrain.models.configs import get_model_config
 
@@ -200,12 +199,6 @@ def test_a_joiner_with_another_model_config_or_code_version_is_refused_at_regist
 
 
 # ------------------------------------------------------------------------------------------ malformed signal file
-def _replace(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def test_a_malformed_signal_file_is_rejected_with_the_fix_and_nothing_is_queued(tmp_path):
     path = tmp_path / "scale.json"
     hub = SignalHub(max_devices=4)
@@ -220,13 +213,13 @@ def test_a_malformed_signal_file_is_rejected_with_the_fix_and_nothing_is_queued(
     try:
         FileSource(hub, path, poll_seconds=0.02)
         for i, (data, expected) in enumerate(cases, start=1):
-            _replace(path, data)
+            replace_file(path, data)
             wait_for(lambda: len(hub.rejected) == i)
             reason = hub.rejected[-1].reason
             assert reason.startswith(f"file {path}: ") and expected in reason, reason
             if "file is" not in reason:
                 assert '{"devices": 3} or {"layout": "dp_shard=2,tp=2"}' in reason  # says what to write
-        _replace(path, b'{"devices": 5}')  # well formed, beyond the job's limit
+        replace_file(path, b'{"devices": 5}')  # well formed, beyond the job's limit
         wait_for(lambda: len(hub.rejected) == len(cases) + 1)
         assert "devices=5, above max_devices=4: ask for at most 4" in hub.rejected[-1].reason
         assert hub.poll() is None

@@ -15,7 +15,7 @@ import pytest
 
 from dynatrain.cli import main as dynatrain_main
 from dynatrain.elastic import signals
-from tests._launch import wait_for
+from tests._launch import replace_file, wait_for
 from dynatrain.elastic.signals import (
     ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource,
 )
@@ -248,32 +248,26 @@ def test_scale_cli_errors(capsys, monkeypatch):
 # ------------------------------------------------------------------------------------------------------- file
 
 
-def _write(path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def test_file_source_submits_changes_and_rejects_malformed_content_once(tmp_path):
     path = tmp_path / "scale.json"
     hub = SignalHub(max_devices=8)
     try:
-        _write(path, '{"devices": 3}')
+        replace_file(path, '{"devices": 3}')
         FileSource(hub, path, poll_seconds=0.02)
         request = wait_for(hub.poll)
         assert (request.devices, request.source) == (3, "file")
 
-        _write(path, '{"devices": 3,')
+        replace_file(path, '{"devices": 3,')
         wait_for(lambda: hub.rejected)
         time.sleep(0.2)  # ten more polls of the same malformed content
         assert len(hub.rejected) == 1 and "scale.json" in hub.rejected[0].reason
         assert hub.poll() is None
 
-        _write(path, '{"devices": 3, "why": 1}')
+        replace_file(path, '{"devices": 3, "why": 1}')
         wait_for(lambda: len(hub.rejected) == 2)
         assert "'why'" in hub.rejected[1].reason
 
-        _write(path, '{"layout": "dp_shard=2,tp=2"}')
+        replace_file(path, '{"layout": "dp_shard=2,tp=2"}')
         assert wait_for(hub.poll).layout == "dp_shard=2,tp=2"
         time.sleep(0.1)
         assert hub.poll() is None and len(hub.rejected) == 2
@@ -287,11 +281,11 @@ def test_file_source_waits_for_the_file_and_stops_on_close(tmp_path):
     source = FileSource(hub, path, poll_seconds=0.02)
     time.sleep(0.1)
     assert hub.poll() is None and hub.rejected == []
-    _write(path, '{"devices": 2}')
+    replace_file(path, '{"devices": 2}')
     assert wait_for(hub.poll).devices == 2
     hub.close()
     assert not source._thread.is_alive()
-    _write(path, '{"devices": 4}')
+    replace_file(path, '{"devices": 4}')
     time.sleep(0.1)
     assert hub.poll() is None
 
