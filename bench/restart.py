@@ -221,6 +221,7 @@ def online_switches(job: dict) -> list[dict]:
             "rank_map": rep0["rank_map"], "first_step_parts_s": step_parts(new_ranks, step + 1),
             "next_step_s": step_time(new_ranks, step + 2), "next_step_parts_s": step_parts(new_ranks, step + 2),
             "leavers_exit": [r["fit_end"] - before for r, rep in pairs if rep["world_size"] == 0],
+            "prepared": any(rep.get("prepared") for _, rep in pairs),
         })
     return out
 
@@ -335,7 +336,8 @@ def table_scale_out(results: list[dict]) -> str:
         so = res["scale_out"]
         for s in [so["scale_out"], *so["same_world"]]:
             joined = s.get("joiners_after_transfer_s")
-            out.append(f"| {res['model']} | {s['switch']} | {s['processes']} | {s['bytes_moved'] / MiB:.0f} "
+            name = s["switch"] + (" (planned in the background)" if s.get("prepared") else "")
+            out.append(f"| {res['model']} | {name} | {s['processes']} | {s['bytes_moved'] / MiB:.0f} "
                        f"| {s['stall_s']:.2f} | {s['switch_s']:.2f} | {s['first_step_s']:.2f} "
                        f"| {fmt_phases(s['phases_s'])} | {fmt_phases(s['transfer_split_s'])} "
                        f"| {'-' if joined is None else f'{joined:.2f}'} |")

@@ -6,7 +6,7 @@ from tests._launch import launch, launch_elastic
 
 pytestmark = pytest.mark.multiprocess
 
-SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;6:dp_shard=2,tp=2"
+SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;5:dp_shard=2,tp=2"
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -27,9 +27,13 @@ def static_losses(tmp_path_factory):
 @pytest.mark.timeout(420)
 def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses):
     steps = STEPS
+    # The second joiner starts only once the members wait for it to reach dp_shard=2,tp=2 and prepare that world
+    # change in the background.
+    signal = str(tmp_path / "preparing")
     members, joiners = launch_elastic(
-        "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES],
-        tmp_path / "e", joiners=[[], []], timeout=360,
+        "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES,
+                          "--prepared-signal", f"dp_shard=2,tp=2@{signal}"],
+        tmp_path / "e", joiners=[[], ["--start-after", signal]], timeout=360,
     )
     # Ranks 2 and 3 left at the first switch, with status 0, after sending their shards.
     for m in members[2:]:
@@ -43,6 +47,8 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses):
     assert [r["new_layout"] for r in first["reports"]] == ["dp_shard=2", "dp_shard=3", "dp_shard=2,tp=2"]
     assert [r["world_size"] for r in first["reports"]] == [2, 3, 4]
     assert all(r["verified"] for p in members[:2] + joiners for r in p["reports"])
+    # The last scale-out ran from the plan and skeleton prepared while the members trained on.
+    assert [r["prepared"] for r in first["reports"]][::2] == [False, True]
     # Same global batch, same data, same optimizer state: the losses of a static run, step for step.
     ref = static_losses
     assert len(first["losses"]) == len(ref) == steps

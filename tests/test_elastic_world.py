@@ -78,25 +78,6 @@ def test_union_then_target_plans():
         plan_union_then_target(4, ["a"], ["a", "b"], order=["a", "c"])
 
 
-def test_target_ranks_follow_mesh_positions_unless_a_joiner_would_be_rank_zero():
-    from types import SimpleNamespace
-
-    from dynatrain.strategies.switcher import _target_ranks
-
-    m0, m1, j2, j3 = "000000-000000", "000000-000001", "000001-000111", "000002-000222"
-    union = [m0, m1, j2, j3]  # plan process ids are indices here
-
-    def plan(*rank_map):
-        return SimpleNamespace(new=SimpleNamespace(rank_map=rank_map))
-
-    # The optimal 2 -> 4 arrangement keeps half the state: ranks follow the positions, so groups ascend.
-    assert _target_ranks(plan(0, 2, 1, 3), union, [m0, m1]) == ([m0, j2, m1, j3], [0, 1, 2, 3])
-    # A joiner at position 0 would take rank 0 from the members: ranks follow the member ids instead.
-    assert _target_ranks(plan(2, 0, 3, 1), union, [m0, m1]) == ([m0, m1, j2, j3], [2, 0, 3, 1])
-    # Every member left: nobody to keep rank 0 for.
-    assert _target_ranks(plan(3, 2), union, [m0, m1]) == ([j3, j2], [0, 1])
-
-
 def test_wrong_token_and_bad_endpoint_are_refused(job_store):
     with pytest.raises(PermissionError, match="refused the token"):
         store_mod.connect(job_store.endpoint, "not-" + TOKEN, timeout=10)

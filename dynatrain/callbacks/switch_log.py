@@ -85,6 +85,8 @@ def switch_metrics(record: Mapping) -> dict[str, float]:
     for phase, seconds in (record.get("phases") or {}).items():
         out[f"switch/{phase}_s"] = float(seconds)
     out["switch/verified"] = 1.0 if record.get("verified") else 0.0
+    if record.get("prepared"):
+        out["switch/prepared"] = 1.0  # planned in the background while training went on
     decision = record.get("decision") or {}
     for key in ("agreement_s", "signal_to_decision_s"):
         if decision.get(key) is not None:

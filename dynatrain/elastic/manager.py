@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from dynatrain.elastic.store import connect
 from dynatrain.elastic.world import (
@@ -37,6 +37,8 @@ ELASTIC_ENV = "DYNATRAIN_ELASTIC"  # the launcher's ElasticConfig (JSON), for st
 JOIN_ENV = "DYNATRAIN_JOIN"  # set (to "1") in a process that joins a running job instead of starting one
 REJOIN_ENV = "DYNATRAIN_REJOIN"  # set (to "1") by a launcher with a standby pool: a leaver stays as a standby
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
+# Every member waits at the rendezvous for the last admitted joiner to notice: poll often (one small store request).
+ADMISSION_POLL = 0.01
 
 
 @dataclass
@@ -170,8 +172,12 @@ class ElasticManager:
         self.store.set(f"elastic/ready/{self.member_id}", str(time.time()))
 
     def ready_joiners(self) -> list[str]:
-        """Registered joiners that said they are ready and still beat, in arrival order. A joiner whose beats
-        stopped for ``5 * heartbeat`` (it died or hangs) is dropped instead of being admitted."""
+        """Registered joiners that said they are ready and still beat, in arrival order."""
+        return [m for m, ready in self.live_joiners() if ready]
+
+    def live_joiners(self) -> list[tuple[str, bool]]:
+        """Registered joiners that still beat, in arrival order, each with whether it said it is ready. A joiner
+        whose beats stopped for ``5 * heartbeat`` (it died or hangs) is dropped instead of being admitted."""
         assert self.world is not None
         now, out = time.monotonic(), []
         for m in sorted(pending_joiners(self.store, self.world.members)):
@@ -182,8 +188,7 @@ class ElasticManager:
             elif now - seen[1] > 5 * self.config.heartbeat:
                 self.drop_joiner(m, f"it stopped beating for {now - seen[1]:.1f}s (the process died or hangs)")
                 continue
-            if self.store.check([f"elastic/ready/{m}"]):
-                out.append(m)
+            out.append((m, self.store.check([f"elastic/ready/{m}"])))
         return out
 
     def drop_joiner(self, member_id: str, reason: str) -> None:
@@ -246,8 +251,9 @@ class ElasticManager:
                                           self.config.timeout)
         return self.world
 
-    def await_admission(self) -> tuple[Transition, dict]:
-        """A joiner: block until admitted (or dropped); return the transition and the switch payload."""
+    def await_admission(self, on_wait: Callable[[float], None] | None = None) -> tuple[Transition, dict]:
+        """A joiner: block until admitted (or dropped); return the transition and the switch payload.
+        ``on_wait(monotonic time)`` runs between polls (a joiner prepares its plan there)."""
         deadline = time.monotonic() + self.config.join_timeout
         admit = f"admit/{self.member_id}"
         # Poll with check(): a store wait() that times out logs a warning every time.
@@ -258,7 +264,9 @@ class ElasticManager:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiner {self.member_id} was not admitted within {self.config.join_timeout:.0f}s: "
                                    "no scale-out of the job asked for it")
-            time.sleep(0.2)
+            if on_wait is not None:
+                on_wait(time.monotonic())
+            time.sleep(ADMISSION_POLL)
         t = await_admission(self.store, self.member_id, timeout=self.config.timeout)
         payload = json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
         return t, payload

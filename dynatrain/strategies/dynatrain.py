@@ -227,11 +227,16 @@ class DynaTrainStrategy(ModelParallelStrategy):
         )
 
     def meta_model(
-        self, config, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
+        self, config, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None,
+        skeleton: Transformer | None = None,
     ) -> Transformer:
-        """A dynatrain Transformer on the meta device, parallelised for a layout and in the run's precision."""
-        with torch.device("meta"):
-            model = Transformer(config)
+        """A dynatrain Transformer on the meta device, parallelised for a layout and in the run's precision.
+        ``skeleton``: that model already built on meta and not yet parallelised (prepared in the background)."""
+        if skeleton is not None and skeleton.config == config:
+            model = skeleton
+        else:
+            with torch.device("meta"):
+                model = Transformer(config)
         self.parallelize(model, mesh, pcfg)
         return self.precision_plugin.convert_module(model)
 

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 from dynatrain.engine.transition import run_transition
-from dynatrain.models.parallelize import mesh_safe
+from dynatrain.memory import release_freed_memory
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.elastic import forget_old_meshes, set_world
+from dynatrain.strategies.prepare import plan_mesh_safe
 from dynatrain.strategies.switch import PhaseTimer, collect_sources, state_specs
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -112,7 +113,7 @@ def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
 
 def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     """Every survivor: agree on who is left, re-form the world, rebuild the state from replicas."""
-    from dynatrain.strategies.switcher import WorldChangeError, _release_freed_memory
+    from dynatrain.strategies.switcher import WorldChangeError
 
     timer = PhaseTimer()
     strategy = switcher.strategy
@@ -158,19 +159,16 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
 
     lost_ranks = [members.index(m) for m in lost]
     old_layout = Layout.from_config(specs, old_cfg, rank_map=strategy.positions)
-    try:
-        target = survivors_target(switcher, len(survivors))
-        plan = plan_switch(old_layout, target, lost=lost_ranks, rank_map=strategy.rank_map,
-                           budget_bytes=strategy.switch_budget_bytes)
-    except ValueError as e:
-        raise stop(str(e)) from None
     new_members = sorted(survivors)
     rank_of = {members.index(m): new_members.index(m) for m in new_members}  # plan id (old rank) -> new rank
-    target_ranks = [rank_of[p] for p in plan.new.rank_map]
-    if not mesh_safe(target_ranks, target):
-        plan = plan_switch(old_layout, target, lost=lost_ranks, rank_map=sorted(plan.new.processes),
-                           budget_bytes=strategy.switch_budget_bytes)
-        target_ranks = [rank_of[p] for p in plan.new.rank_map]
+    try:
+        target = survivors_target(switcher, len(survivors))
+        plan, target_ranks = plan_mesh_safe(
+            lambda order: plan_switch(old_layout, target, lost=lost_ranks, rank_map=order or strategy.rank_map,
+                                      budget_bytes=strategy.switch_budget_bytes),
+            lambda plan: [rank_of[p] for p in plan.new.rank_map], target)
+    except ValueError as e:
+        raise stop(str(e)) from None
     me = members.index(manager.member_id)
     timer.lap("plan")
 
@@ -183,7 +181,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     new_model = strategy.meta_model(config, new_mesh, target)
     switcher._adopt(new_model, new_mesh, target, target_ranks, dst, kept)
     timer.lap("adopt")
-    _release_freed_memory()
+    release_freed_memory()
     report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),
                             new_layout=target.short(), bytes_moved=plan.bytes_moved,
                             seconds=time.monotonic() - start, cause=cause, phases=timer.phases)

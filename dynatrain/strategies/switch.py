@@ -37,6 +37,7 @@ class SwitchReport:
     verified: bool | None
     phases: dict[str, float] = field(default_factory=dict)
     old_world_size: int | None = None
+    prepared: bool = False  # a world change planned in the background while training went on
 
     @property
     def stall_s(self) -> float:

@@ -9,7 +9,6 @@ and gradient accumulation -> optionally verify bitwise.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import time
 from contextlib import contextmanager
@@ -23,19 +22,26 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dynatrain.engine.transition import run_transition, validate_sources
 from dynatrain.engine.verify import SwitchVerificationError, compare, differing, local_checksums, reduce_sums
+from dynatrain.memory import release_freed_memory
 from dynatrain.models.llama import Transformer
-from dynatrain.models.parallelize import allocate_model, mesh_safe
+from dynatrain.models.parallelize import allocate_model
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.elastic import (
     JoinState,
     adopt_logger_versions,
     decode_scalars,
-    decode_specs,
     encode_scalars,
-    encode_specs,
     logger_versions,
     loop_checkpoint,
     set_world,
+)
+from dynatrain.strategies.prepare import (
+    ChangeInputs,
+    JoinerPrep,
+    MemberPrep,
+    plan_from_payload,
+    plan_mesh_safe,
+    plan_world_change,
 )
 from dynatrain.strategies.recovery import is_peer_loss, recover
 from dynatrain.strategies.switch import (
@@ -87,6 +93,7 @@ class Switcher:
         self.strategy = strategy
         self.pending: _Pending | None = None
         self.joined = None  # a joiner's JoinState until training starts
+        self.prepared: MemberPrep | None = None  # the pending world change, planned in the background
         self.accumulation_offset = 0
         self.trainer: pl.Trainer | None = None
 
@@ -204,6 +211,7 @@ class Switcher:
         self.check_world(parsed, leave)
         target = self.check(parsed, world_size=parsed.world_size)
         self.pending = _Pending(target, leave, time.monotonic())
+        self.prepared = None
         if self.trainer is None or not self.trainer.training:
             self.run_pending()
         return target
@@ -226,6 +234,7 @@ class Switcher:
                 return None  # not enough joiners ready yet: ask again at the next boundary
             self.pending = None
             if joiners == "drop":
+                self.prepared = None
                 rank_zero_warn(f"scale-out to {p.target.short()} dropped: not enough joiners got ready within "
                                f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
                                f"{strategy.world_size} processes")
@@ -272,7 +281,26 @@ class Switcher:
                 for m in ready:
                     manager.drop_joiner(m, f"the scale-out to {p.target.short()} timed out")
                 decision = "drop"
-        return strategy.broadcast(decision)
+            if self.prepared is not None:
+                self.prepared.publish(manager.store)
+        decision = strategy.broadcast(decision)
+        if decision is None:
+            self._prepare(p)
+        return decision
+
+    def _change_inputs(self, target: ParallelConfig, leave, joiners: list[str] | None) -> ChangeInputs:
+        strategy = self.strategy
+        model, optimizer = self._current()
+        return ChangeInputs.build(state_specs(model, optimizer), strategy.parallel_config, strategy.positions,
+                                  strategy.elastic.world.members, target, leave, joiners, strategy.rank_map,
+                                  strategy.switch_budget_bytes)
+
+    def _prepare(self, p: "_Pending") -> None:
+        """While a scale-out waits for its joiners: plan it and build the target skeleton in the background,
+        for whichever joiners come (see `prepare`)."""
+        inputs = self._change_inputs(p.target, p.leave, None)
+        if self.prepared is None or self.prepared.inputs != inputs:
+            self.prepared = MemberPrep(inputs, self.strategy.model_config())
 
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None,
@@ -288,10 +316,10 @@ class Switcher:
 
         specs = state_specs(model, optimizer)
         old_layout = Layout.from_config(specs, old_cfg, rank_map=strategy.positions)
-        plan = plan_switch(old_layout, target, rank_map=rank_map or strategy.rank_map, budget_bytes=budget)
-        if not mesh_safe(plan.new.rank_map, target):
-            # Within one world, mesh groups keep sorted ranks: take the best arrangement they can express.
-            plan = plan_switch(old_layout, target, rank_map="identity", budget_bytes=budget)
+        plan, _ = plan_mesh_safe(
+            lambda order: plan_switch(old_layout, target, rank_map=order or rank_map or strategy.rank_map,
+                                      budget_bytes=budget),
+            lambda plan: list(plan.new.rank_map), target)
         src = collect_sources(model, optimizer)
         validate_sources(plan, rank, src)
         timer.lap("plan")
@@ -320,7 +348,7 @@ class Switcher:
             verified = self._verified(compare(old_layout, old_sums, plan.new, new_sums, device=strategy.root_device),
                                       old_cfg, target)
             timer.lap("verify")
-        _release_freed_memory()
+        release_freed_memory()
         return self._report(plan, old_cfg, target, positions, stats, verified, timer)
 
     def switch_world(self, target: ParallelConfig, leave: tuple[int, ...], joiners: list[str]) -> SwitchReport:
@@ -335,23 +363,16 @@ class Switcher:
         manager = strategy.elastic
         model, optimizer = self._current()
         old_cfg = strategy.parallel_config
-        members = list(manager.world.members)
-        union = sorted(set(members) | set(joiners))
-        uid = {m: i for i, m in enumerate(union)}
-        me = uid[manager.member_id]
-        specs = state_specs(model, optimizer)
-        old_ids = [uid[members[p]] for p in strategy.positions]
-        old_layout = Layout.from_config(specs, old_cfg, rank_map=old_ids)
-        leave_ids = [uid[members[r]] for r in leave]
-        join_ids = [uid[j] for j in joiners]
-        plan = plan_switch(old_layout, target, leave=leave_ids, joiners=join_ids,
-                           rank_map=strategy.rank_map, budget_bytes=strategy.switch_budget_bytes)
-        target_members, target_ranks = _target_ranks(plan, union, members)
-        if not mesh_safe(target_ranks, target):
-            # Mesh groups keep sorted ranks: place the same processes in ascending order.
-            plan = plan_switch(old_layout, target, leave=leave_ids, joiners=join_ids,
-                               rank_map=sorted(plan.new.processes), budget_bytes=strategy.switch_budget_bytes)
-            target_members, target_ranks = _target_ranks(plan, union, members)
+        inputs = self._change_inputs(target, leave, joiners)
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and prepared.inputs == inputs:
+            world_plan, skeleton = prepared.plan(), prepared.skeleton()
+        else:
+            world_plan, skeleton = plan_world_change(inputs), None
+        plan, old_layout = world_plan.plan, world_plan.old_layout
+        target_members, target_ranks = world_plan.target_members(inputs.union), world_plan.target_ranks
+        union = list(inputs.union)
+        me = union.index(manager.member_id)
         src = collect_sources(model, optimizer)
         validate_sources(plan, me, src)
         timer.lap("plan")
@@ -362,10 +383,8 @@ class Switcher:
         kept = self._keep(model, optimizer)
         if joiners and strategy.global_rank == 0:
             manager.publish(manager.world.generation + 1, {
-                "old": old_cfg.short(), "old_ids": old_ids, "target": target.short(),
-                "positions": list(plan.new.rank_map), "target_ranks": target_ranks, "leave": leave_ids,
-                "joiners": join_ids, "union": union, "budget": strategy.switch_budget_bytes,
-                "specs": encode_specs(specs), "scalars": encode_scalars(kept["scalars"]), "groups": kept["groups"],
+                **world_plan.intent(), "target_ranks": target_ranks, "union": union,
+                "scalars": encode_scalars(kept["scalars"]), "groups": kept["groups"],
                 "checkpoint": loop_checkpoint(self.trainer), "old_totals": old_totals,
                 "loggers": logger_versions(self.trainer),
             })
@@ -391,7 +410,7 @@ class Switcher:
         set_world(strategy, world.rank, world.world_size)
         strategy._meshes.clear()  # every group of the old generation is gone
         new_mesh = strategy._build_mesh(target, ranks=target_ranks)
-        new_model = strategy.meta_model(config, new_mesh, target)
+        new_model = strategy.meta_model(config, new_mesh, target, skeleton=skeleton)
         timer.lap("build")
         self._adopt(new_model, new_mesh, target, target_ranks, moved.pop("dst"), kept)
         timer.lap("adopt")
@@ -401,8 +420,9 @@ class Switcher:
                                      strategy.root_device)
             verified = self._verified(differing(old_layout, old_totals, plan.new, new_totals), old_cfg, target)
             timer.lap("verify")
-        _release_freed_memory()
-        return self._report(plan, old_cfg, target, target_ranks, stats, verified, timer)
+        release_freed_memory()
+        return self._report(plan, old_cfg, target, target_ranks, stats, verified, timer,
+                            prepared=skeleton is not None)
 
     # ---- a process joining a running job ------------------------------------------------------------------
     def join(self) -> None:
@@ -415,12 +435,10 @@ class Switcher:
         manager = strategy.elastic
         manager.register_joiner(strategy.member_info())
         manager.mark_ready()
-        t, payload = manager.await_admission()
-        specs = decode_specs(payload["specs"])
-        old_layout = Layout.from_config(specs, ParallelConfig.parse(payload["old"]), rank_map=payload["old_ids"])
+        prep = JoinerPrep(manager.store)
+        t, payload = manager.await_admission(on_wait=prep.poll)
+        plan, old_layout = prep.plan_for(payload) or plan_from_payload(payload)
         target = ParallelConfig.parse(payload["target"])
-        plan = plan_switch(old_layout, target, leave=payload["leave"], joiners=payload["joiners"],
-                           rank_map=payload["positions"], budget_bytes=payload["budget"])
         me = payload["union"].index(manager.member_id)
         moved: dict = {}
 
@@ -540,7 +558,7 @@ class Switcher:
             self.trainer.should_stop = True
         rank_zero_only.rank = fabric_rank_zero_only.rank = -1  # this process logs nothing more
 
-    def _report(self, plan, old_cfg, target, positions, stats, verified, timer) -> SwitchReport:
+    def _report(self, plan, old_cfg, target, positions, stats, verified, timer, prepared=False) -> SwitchReport:
         strategy = self.strategy
         report = SwitchReport(
             step=self.trainer.global_step if self.trainer else 0,
@@ -549,7 +567,7 @@ class Switcher:
             bytes_total=plan.bytes_total, bytes_moved=plan.bytes_moved,
             bytes_moved_identity=plan.bytes_moved_identity, rounds=plan.num_rounds, rank_map=list(positions),
             peak_bytes=stats.peak_bytes, peak_bound=stats.peak_bound, verified=verified, phases=timer.phases,
-            old_world_size=old_cfg.world_size,
+            old_world_size=old_cfg.world_size, prepared=prepared,
         )
         strategy.switch_reports.append(report)
         rank_zero_info(
@@ -589,33 +607,6 @@ class Switcher:
             # The epoch now has a different number of micro-batches per rank.
             micro = getattr(datamodule, "micro_batch_size", 1)
             trainer.fit_loop.max_batches = self.accumulation_offset + sampler.remaining_in_epoch() // micro
-
-
-try:
-    _malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc
-except (OSError, AttributeError):
-    _malloc_trim = None
-
-
-def _release_freed_memory() -> None:
-    """Collect the old model's cycles and give the heap a switch freed (old shards, staging) back to the OS:
-    glibc keeps freed memory otherwise, and over hundreds of switches the process's RSS creeps up."""
-    gc.collect()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def _target_ranks(plan, union: list[str], members: list[str]) -> tuple[list[str], list[int]]:
-    """The target generation's members in rank order and, per new mesh position, its rank there.
-
-    Ranks follow the mesh positions, so every mesh group's ranks ascend whatever arrangement the planner chose;
-    except when that would hand rank 0 (logging, checkpoints) to a joiner while a current member stays: then
-    ranks follow the sorted member ids, as the members' ranks always did."""
-    order = [union[p] for p in plan.new.rank_map]
-    if order[0] in members or not any(m in members for m in order):
-        return order, list(range(len(order)))
-    ranked = sorted(order)
-    return ranked, [ranked.index(m) for m in order]
 
 
 def _ranks_in(world, union: list[str]) -> dict[int, int]:

@@ -7,7 +7,9 @@ optimizer step >= its step once the previous one has run.
 import argparse
 import os
 import signal
+import time
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
@@ -25,10 +27,13 @@ class Script(pl.Callback):
     """Requests the entries in order, each once the previous one has run. Its position is callback state: a
     joiner resumes it from the members' at the switch that admitted it, whichever switch that was."""
 
-    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], die: tuple[int, int] | None):
+    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], die: tuple[int, int] | None,
+                 prepared_signal: tuple[str, str] | None = None):
         self.entries = entries
         self.next = 0
         self.die = die  # (step, rank): that rank is killed at the boundary where a switch is pending
+        # (layout, file): rank 0 creates the file once a world change to that layout is being prepared
+        self.prepared_signal = prepared_signal
 
     def state_dict(self) -> dict:
         return {"next": self.next}
@@ -41,6 +46,10 @@ class Script(pl.Callback):
         if (self.die and trainer.global_rank == self.die[1] and trainer.global_step >= self.die[0]
                 and strategy._switcher.pending is not None and strategy._switcher.at_boundary()):
             os.kill(os.getpid(), signal.SIGKILL)
+        prepared = strategy._switcher.prepared
+        if self.prepared_signal and trainer.global_rank == 0 and prepared is not None \
+                and prepared.inputs.target.short() == self.prepared_signal[0]:
+            Path(self.prepared_signal[1]).touch()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         strategy = trainer.strategy
@@ -81,7 +90,6 @@ def main() -> None:
         import faulthandler
         import sys
         import threading
-        import time
 
         def dump() -> None:
             while True:
@@ -103,6 +111,9 @@ def main() -> None:
     ap.add_argument("--preempt", default="", help="STEP:RANK gets SIGTERM (ElasticCallback with preemption on)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--crash", default="", help="STEP:RANK is SIGKILLed in the middle of that optimizer step")
+    ap.add_argument("--prepared-signal", default=None, metavar="LAYOUT@FILE", help="rank 0 creates FILE once a "
+                    "world change to LAYOUT, waiting for joiners, is being prepared in the background")
+    ap.add_argument("--start-after", default=None, help="a joiner starts training only once this file exists")
     args = ap.parse_args()
     entries = []
     for item in filter(None, args.switches.split(";")):
@@ -118,7 +129,7 @@ def main() -> None:
     )
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     die = tuple(int(x) for x in args.die.split(":")) if args.die else None
-    script = Script(entries, die)
+    script = Script(entries, die, tuple(args.prepared_signal.split("@")) if args.prepared_signal else None)
     callbacks = [script]
     if args.crash:
         callbacks.append(Crash(*(int(x) for x in args.crash.split(":"))))
@@ -136,6 +147,8 @@ def main() -> None:
     module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=64, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                            max_corpus_bytes=400_000)
+    while args.start_after and not os.path.exists(args.start_after):
+        time.sleep(0.05)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)

@@ -1,0 +1,244 @@
+"""The next world, prepared in the background while the current one trains.
+
+A scale-out waits across optimizer-step boundaries until enough joiners are ready, and joiners take seconds to
+get there (imports, Trainer, data). Meanwhile every member plans the world change in a background thread: the
+routing plan (pure Python, seconds for a 70B model on a thousand ranks), the target generation's rank order and
+the target model's skeleton on the meta device.
+
+A plan works on process ids, the indices of the sorted union of members and joiners. Joiner ids carry the job's
+joiner counter, so joiners sort after every current member, and the plan does not depend on which joiners come:
+it is made for the next ``n`` ids before any joiner is known. At the switch the inputs are computed again from the
+admitted joiners; when they equal the prepared ones (always, unless an older standby process is admitted after a
+newer one) the switch starts from the prepared plan, otherwise it plans at the boundary as before. Rank 0
+publishes the prepared plan's inputs, and waiting joiners plan their side from them in their own background
+thread.
+
+Process groups are not prepared: torch holds one default group per process, so a member cannot hold the next
+generation's group beside the current one, and a joiner cannot enter the current one. Forming a generation stays
+in the stall (tens of milliseconds with gloo; NCCL creates its communicators at their first collective).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Sequence
+
+import torch
+
+from dynatrain.models.llama import Transformer
+from dynatrain.models.parallelize import mesh_safe
+from dynatrain.planner.schedule import SwitchPlan, plan_switch
+from dynatrain.strategies.elastic import decode_specs, encode_specs
+from dynatrain.vps.layout import Layout, StateSpec
+from dynatrain.vps.parallel_config import ParallelConfig
+
+INTENT_KEY = "elastic/intent"  # rank 0's prepared plan inputs, read by waiting joiners
+# What a joiner's plan is computed from; the same values in the intent and in the switch payload give the same plan.
+PLAN_FIELDS = ("old", "old_ids", "target", "positions", "leave", "joiners", "budget", "specs")
+
+
+def plan_mesh_safe(plan_with: Callable[[Any], SwitchPlan], ranks_of: Callable[[SwitchPlan], list[int]],
+                   target: ParallelConfig) -> tuple[SwitchPlan, list[int]]:
+    """The planner's arrangement (``plan_with(None)``) when every mesh group's ranks ascend in the target world
+    (``ranks_of``: each new position's rank there); otherwise the same processes in ascending order, since
+    `new_group` sorts its ranks and any other order would permute the group's collectives."""
+    plan = plan_with(None)
+    ranks = ranks_of(plan)
+    if not mesh_safe(ranks, target):
+        plan = plan_with(sorted(plan.new.processes))
+        ranks = ranks_of(plan)
+    return plan, ranks
+
+
+def target_order(plan: SwitchPlan, member_ids: Collection[int]) -> tuple[list[int], list[int]]:
+    """The target generation's process ids in rank order and, per new mesh position, its rank there.
+
+    Ranks follow the mesh positions, so every mesh group's ranks ascend whatever arrangement the planner chose;
+    except when that would hand rank 0 (logging, checkpoints) to a joiner while a current member
+    (``member_ids``) stays: then ranks follow the sorted ids, as the members' ranks always did."""
+    order = list(plan.new.rank_map)
+    if order[0] in member_ids or not any(p in member_ids for p in order):
+        return order, list(range(len(order)))
+    ranked = sorted(order)
+    return ranked, [ranked.index(p) for p in order]
+
+
+@dataclass(frozen=True)
+class ChangeInputs:
+    """Everything a world change's plan depends on, in process ids (indices in the sorted union of members and
+    joiners); ``union`` names them and takes no part in comparisons."""
+
+    specs: tuple[StateSpec, ...]
+    old: ParallelConfig
+    old_ids: tuple[int, ...]
+    target: ParallelConfig
+    leave: tuple[int, ...]
+    joiners: tuple[int, ...]
+    rank_map: str | tuple[int, ...]
+    budget: int
+    union: tuple[str, ...] = field(compare=False)
+
+    @classmethod
+    def build(cls, specs, old: ParallelConfig, positions: Sequence[int], members: Sequence[str],
+              target: ParallelConfig, leave: Sequence[int], joiners: Sequence[str] | None, rank_map, budget: int
+              ) -> "ChangeInputs":
+        """From the current world: ``positions`` (old mesh position -> rank), ``leave`` as current ranks,
+        ``joiners`` as member ids; None stands for as many joiners as the target needs, not known yet."""
+        if joiners is None:
+            count = target.world_size - (len(members) - len(set(leave)))
+            joiners = [f"~{i:06d}" for i in range(count)]  # sorts after every member id, as joiners do
+        union = tuple(sorted(set(members) | set(joiners)))
+        uid = {m: i for i, m in enumerate(union)}
+        rank_map = rank_map if isinstance(rank_map, str) else tuple(rank_map)
+        return cls(tuple(specs), old, tuple(uid[members[p]] for p in positions), target,
+                   tuple(uid[members[r]] for r in leave), tuple(uid[j] for j in joiners), rank_map, int(budget),
+                   union)
+
+    @property
+    def member_ids(self) -> set[int]:
+        joining = set(self.joiners)
+        return {i for i in range(len(self.union)) if i not in joining}
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    inputs: ChangeInputs
+    old_layout: Layout
+    plan: SwitchPlan
+    order: list[int]  # the target generation's process ids in rank order
+    target_ranks: list[int]  # per new mesh position, its rank in the target generation
+
+    def target_members(self, union: Sequence[str]) -> list[str]:
+        return [union[p] for p in self.order]
+
+    def intent(self) -> dict:
+        """The plan inputs a joiner needs (the fields of the switch payload it plans from)."""
+        i = self.inputs
+        return {"old": i.old.short(), "old_ids": list(i.old_ids), "target": i.target.short(),
+                "positions": list(self.plan.new.rank_map), "leave": list(i.leave), "joiners": list(i.joiners),
+                "budget": i.budget, "specs": encode_specs(i.specs)}
+
+
+def plan_world_change(inputs: ChangeInputs) -> WorldPlan:
+    old_layout = Layout.from_config(inputs.specs, inputs.old, rank_map=list(inputs.old_ids))
+    rank_map = inputs.rank_map if isinstance(inputs.rank_map, str) else list(inputs.rank_map)
+    members = inputs.member_ids
+    placed: dict = {}
+
+    def plan_with(order):
+        return plan_switch(old_layout, inputs.target, leave=inputs.leave, joiners=inputs.joiners,
+                           rank_map=rank_map if order is None else order, budget_bytes=inputs.budget)
+
+    def ranks_of(plan):
+        placed["order"], ranks = target_order(plan, members)
+        return ranks
+
+    plan, ranks = plan_mesh_safe(plan_with, ranks_of, inputs.target)
+    return WorldPlan(inputs, old_layout, plan, placed["order"], ranks)
+
+
+def plan_from_payload(payload: dict) -> tuple[SwitchPlan, Layout]:
+    """A joiner's side of the plan, from the switch payload (or an intent with the same fields)."""
+    specs = decode_specs(payload["specs"])
+    old_layout = Layout.from_config(specs, ParallelConfig.parse(payload["old"]), rank_map=payload["old_ids"])
+    plan = plan_switch(old_layout, ParallelConfig.parse(payload["target"]), leave=payload["leave"],
+                       joiners=payload["joiners"], rank_map=payload["positions"], budget_bytes=payload["budget"])
+    return plan, old_layout
+
+
+class Background:
+    """One computation on a daemon thread; `result()` waits for it and re-raises what it raised."""
+
+    def __init__(self, key: Any, fn: Callable[[], Any], name: str) -> None:
+        self.key = key
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _skeleton(config) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+class MemberPrep:
+    """A member's preparation of one world change: the plan and the target skeleton, each on its own thread."""
+
+    def __init__(self, inputs: ChangeInputs, model_config) -> None:
+        self.inputs = inputs
+        self.published = False
+        self._plan = Background(inputs, lambda: plan_world_change(inputs), "dynatrain-plan-next-world")
+        self._skeleton = Background(model_config, lambda: _skeleton(model_config), "dynatrain-build-next-model")
+
+    def done(self) -> bool:
+        return self._plan.done()
+
+    def plan(self) -> WorldPlan:
+        return self._plan.result()
+
+    def skeleton(self) -> Transformer:
+        return self._skeleton.result()
+
+    def publish(self, store) -> None:
+        """Rank 0, on the training thread (a store connection is not shared across threads), once planned."""
+        if self.published or not self.done():
+            return
+        self.published = True
+        try:
+            store.set(INTENT_KEY, json.dumps(self.plan().intent()))
+        except ValueError:
+            pass  # the plan failed; the switch reports it when it plans again at the boundary
+
+
+class JoinerPrep:
+    """A joiner's view of rank 0's intents while it waits: plans its side of the latest one."""
+
+    POLL = 0.2  # seconds between reads of the intent
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._seen: str | None = None
+        self._next = 0.0
+        self.prepared: Background | None = None
+
+    def poll(self, now: float) -> None:
+        if now < self._next:
+            return
+        self._next = now + self.POLL
+        if not self.store.check([INTENT_KEY]):
+            return
+        text = self.store.get(INTENT_KEY).decode()
+        if text == self._seen:
+            return
+        self._seen = text
+        intent = json.loads(text)
+        # Which joiners are admitted is not known yet, but the plan is the same for any of them.
+        self.prepared = Background(intent, lambda: plan_from_payload(intent), "dynatrain-plan-next-world")
+
+    def plan_for(self, payload: dict) -> tuple[SwitchPlan, Layout] | None:
+        """The prepared plan when the switch's inputs are the intent's; None otherwise (or if it failed)."""
+        prepared = self.prepared
+        if prepared is None or {k: payload[k] for k in PLAN_FIELDS} != prepared.key:
+            return None
+        try:
+            return prepared.result()
+        except ValueError:
+            return None

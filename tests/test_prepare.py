@@ -1,0 +1,132 @@
+"""The next world prepared in the background: the same plan as at the boundary, used only when the inputs match."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dynatrain.models.configs import get_model_config
+from dynatrain.models.llama import Transformer
+from dynatrain.strategies.prepare import (
+    INTENT_KEY,
+    Background,
+    ChangeInputs,
+    JoinerPrep,
+    MemberPrep,
+    plan_from_payload,
+    plan_world_change,
+    target_order,
+)
+from dynatrain.strategies.switch import state_specs
+from dynatrain.vps.parallel_config import ParallelConfig
+
+MEMBERS = ["000000-000000", "000000-000001"]
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key) -> bytes:
+        return self.data[key]
+
+    def check(self, keys) -> bool:
+        return all(k in self.data for k in keys)
+
+
+@pytest.fixture(scope="module")
+def specs():
+    with torch.device("meta"):
+        return state_specs(Transformer(get_model_config("debug").with_overrides(n_layers=2)), None)
+
+
+def inputs(specs, joiners, members=MEMBERS, target="dp_shard=4", leave=(), budget=64 << 20):
+    return ChangeInputs.build(specs, ParallelConfig.parse("dp_shard=2"), [0, 1], members,
+                              ParallelConfig.parse(target), leave, joiners, "optimal", budget)
+
+
+def test_target_order_follows_mesh_positions_unless_a_joiner_would_be_rank_zero():
+    def plan(*rank_map):
+        return SimpleNamespace(new=SimpleNamespace(rank_map=rank_map))
+
+    # The optimal 2 -> 4 arrangement keeps half the state: ranks follow the positions, so groups ascend.
+    assert target_order(plan(0, 2, 1, 3), {0, 1}) == ([0, 2, 1, 3], [0, 1, 2, 3])
+    # A joiner at position 0 would take rank 0 from the members: ranks follow the sorted ids instead.
+    assert target_order(plan(2, 0, 3, 1), {0, 1}) == ([0, 1, 2, 3], [2, 0, 3, 1])
+    # Every member left: nobody to keep rank 0 for.
+    assert target_order(plan(3, 2), {0, 1}) == ([3, 2], [0, 1])
+
+
+def test_a_plan_prepared_before_the_joiners_are_known_is_the_plan_for_the_ones_admitted(specs):
+    early = inputs(specs, None)
+    late = inputs(specs, ["000003-4242", "000007-99"])
+    assert early == late and early.union != late.union  # the plan's inputs match; the names are only known now
+    prepared, direct = plan_world_change(early), plan_world_change(late)
+    assert prepared.plan.new.rank_map == direct.plan.new.rank_map
+    assert prepared.plan.bytes_moved == direct.plan.bytes_moved < prepared.plan.bytes_total
+    assert (prepared.order, prepared.target_ranks) == (direct.order, direct.target_ranks)
+    assert prepared.target_members(late.union)[0] == MEMBERS[0]  # rank 0 stays with a member
+    assert set(prepared.target_members(late.union)) == set(MEMBERS) | {"000003-4242", "000007-99"}
+
+
+def test_an_older_standby_admitted_after_a_newer_joiner_gets_a_plan_of_its_own(specs):
+    # A member that joined as 000005-... and a standby registered before it (000002-...): the standby sorts
+    # between the members, so the plan's ids differ from the ones prepared for joiners that sort last.
+    members = ["000000-000000", "000005-000001"]
+    assert inputs(specs, None, members) != inputs(specs, ["000002-777", "000006-888"], members)
+
+
+def test_a_scale_in_and_out_prepared_together(specs):
+    early = inputs(specs, None, target="dp_shard=2,tp=2", leave=(1,))
+    late = inputs(specs, ["000004-1", "000004-2", "000009-3"], target="dp_shard=2,tp=2", leave=(1,))
+    assert early == late and len(early.joiners) == 3
+    wp = plan_world_change(early)
+    assert 1 not in wp.plan.new.rank_map  # the leaver gets no position
+
+
+def test_member_prep_plans_and_builds_the_skeleton_on_meta(specs):
+    cfg = get_model_config("debug").with_overrides(n_layers=2)
+    prep = MemberPrep(inputs(specs, None), cfg)
+    skeleton = prep.skeleton()
+    assert prep.plan().plan.new.rank_map == plan_world_change(inputs(specs, None)).plan.new.rank_map
+    assert prep.done()
+    assert all(p.is_meta for p in skeleton.parameters()) and skeleton.config == cfg
+    # Built on meta in the background thread while the training thread's default device stayed the CPU.
+    assert torch.empty(1).device.type == "cpu"
+    assert not any(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in skeleton.modules())  # not parallelised
+
+
+def test_a_joiner_plans_from_the_published_intent_and_uses_it_only_for_the_same_inputs(specs):
+    store = DictStore()
+    prep = MemberPrep(inputs(specs, None), get_model_config("debug").with_overrides(n_layers=2))
+    joiner = JoinerPrep(store)
+    joiner.poll(0.0)
+    assert joiner.prepared is None  # nothing published yet
+    prep.plan()
+    prep.publish(store)
+    assert prep.published and INTENT_KEY in store.data
+    joiner.poll(0.05)
+    assert joiner.prepared is None  # polls are spaced out
+    joiner.poll(1.0)
+    assert joiner.prepared is not None
+
+    payload = {**json.loads(store.get(INTENT_KEY)), "union": ["x"], "checkpoint": {}, "scalars": {}}
+    plan, old_layout = joiner.plan_for(payload)
+    direct, _ = plan_from_payload(payload)
+    assert plan.new.rank_map == direct.new.rank_map and plan.bytes_moved == direct.bytes_moved
+    assert old_layout.config.short() == "dp_shard=2"
+    assert joiner.plan_for({**payload, "budget": payload["budget"] // 2}) is None  # other inputs: plan again
+
+
+def test_a_failed_background_computation_raises_where_its_result_is_used():
+    def fail():
+        raise ValueError("budget too small")
+
+    job = Background("key", fail, "test")
+    with pytest.raises(ValueError, match="budget too small"):
+        job.result()
+    assert job.done()
