@@ -248,6 +248,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         for module in self.model.modules():
             if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
                 self.materialize(module)
+        if self._switcher is not None:
+            self._switcher.receive_joined()  # the members wait in the transfer, whatever this module holds
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

@@ -13,7 +13,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -184,7 +184,7 @@ def _callback_states(trainer: pl.Trainer) -> dict[str, dict]:
 class JoinState:
     """What a joiner holds between its transfer (in `setup_environment`) and Lightning's restore."""
 
-    dst: dict[str, torch.Tensor]
+    dst: dict[str, torch.Tensor] | None  # None until `receive` ran
     scalars: dict[str, dict]
     groups: list[dict]
     checkpoint: dict
@@ -192,4 +192,5 @@ class JoinState:
     old_layout: Any
     new_layout: Any
     process: int
+    receive: Callable[[], dict[str, torch.Tensor]] | None = None  # a transfer deferred to Lightning's set-up
     report: dict = field(default_factory=dict)

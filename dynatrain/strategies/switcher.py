@@ -300,7 +300,7 @@ class Switcher:
         for whichever joiners come (see `prepare`)."""
         inputs = self._change_inputs(p.target, p.leave, None)
         if self.prepared is None or self.prepared.inputs != inputs:
-            self.prepared = MemberPrep(inputs, self.strategy.model_config())
+            self.prepared = MemberPrep(inputs, self._current()[0].config)
 
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None,
@@ -394,8 +394,21 @@ class Switcher:
         timer.lap("release")
 
         moved: dict = {}
+        # When nobody leaves, the transfer runs on the target generation itself: build the target mesh and model
+        # before it, while the joiners run their Lightning set-up (see `join`), instead of after it.
+        ahead = set(target_members) == set(union)
+
+        def build(world) -> None:
+            set_world(strategy, world.rank, world.world_size)
+            strategy._meshes.clear()  # every group of the old generation is gone
+            moved["mesh"] = mesh = strategy._build_mesh(target, ranks=target_ranks)
+            moved["model"] = strategy.meta_model(config, mesh, target, skeleton=skeleton)
 
         def transfer(world) -> None:
+            if ahead:
+                timer.lap("transfer")
+                build(world)
+                timer.lap("build")
             moved["dst"], moved["stats"] = run_transition(plan, me, src, group_ranks=_ranks_in(world, union),
                                                           device=strategy.root_device)
 
@@ -406,12 +419,10 @@ class Switcher:
         if world is None:
             self._detach()
             return self._report(plan, old_cfg, target, [], stats, None, timer)
-
-        set_world(strategy, world.rank, world.world_size)
-        strategy._meshes.clear()  # every group of the old generation is gone
-        new_mesh = strategy._build_mesh(target, ranks=target_ranks)
-        new_model = strategy.meta_model(config, new_mesh, target, skeleton=skeleton)
-        timer.lap("build")
+        if not ahead:
+            build(world)
+            timer.lap("build")
+        new_model, new_mesh = moved.pop("model"), moved.pop("mesh")
         self._adopt(new_model, new_mesh, target, target_ranks, moved.pop("dst"), kept)
         timer.lap("adopt")
         verified = None
@@ -429,7 +440,9 @@ class Switcher:
         """Register, wait for admission, receive this process's shards and enter the target world.
 
         Runs in `setup_environment`, before Lightning builds the model: the shards wait in `self.joined` for
-        `materialize`, the optimizer and Lightning's restore of the loop state.
+        `materialize`, the optimizer and Lightning's restore of the loop state. When nobody leaves, the transfer
+        runs on the target generation and waits for `materialize` instead: the joiner's Lightning set-up (data,
+        the model on meta) then overlaps the members' build of the same mesh and model.
         """
         strategy = self.strategy
         manager = strategy.elastic
@@ -442,23 +455,34 @@ class Switcher:
         me = payload["union"].index(manager.member_id)
         moved: dict = {}
 
-        def transfer(world) -> None:
+        def transfer(world) -> dict:
             moved["dst"], moved["stats"] = run_transition(plan, me, {}, group_ranks=_ranks_in(world, payload["union"]),
                                                           device=strategy.root_device)
+            return moved["dst"]
 
-        world = manager.join_world(t, transfer)
+        ahead = set(t.new) == set(t.union)  # as `switch_world` decides it
+        world = manager.join_world(t, None if ahead else transfer)
         set_world(strategy, world.rank, world.world_size)
         strategy.parallel_config = target
         strategy.positions = list(payload["target_ranks"])
         strategy._device_mesh = strategy._build_mesh(target, ranks=strategy.positions)
         adopt_logger_versions(self.trainer or strategy.lightning_module.trainer, payload["loggers"])
         self.joined = JoinState(
-            dst=moved["dst"], scalars=decode_scalars(payload["scalars"], strategy.root_device),
+            dst=moved.get("dst"), receive=(lambda: transfer(world)) if ahead else None,
+            scalars=decode_scalars(payload["scalars"], strategy.root_device),
             groups=payload["groups"], checkpoint=payload["checkpoint"], old_totals=payload["old_totals"],
             old_layout=old_layout, new_layout=plan.new, process=me,
         )
 
+    def receive_joined(self) -> None:
+        """A joiner whose transfer waited for Lightning's set-up: receive its shards now (once)."""
+        joined = self.joined
+        if joined is not None and joined.receive is not None:
+            receive, joined.receive = joined.receive, None
+            joined.dst = receive()
+
     def adopt_joined_weights(self, model: Transformer) -> None:
+        self.receive_joined()
         allocate_model(model, self.strategy.root_device)
         adopt_weights(model, self.joined.dst)
 
