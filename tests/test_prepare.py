@@ -122,11 +122,15 @@ def test_a_joiner_plans_from_the_published_intent_and_uses_it_only_for_the_same_
     assert joiner.plan_for({**payload, "budget": payload["budget"] // 2}) is None  # other inputs: plan again
 
 
-def test_a_failed_background_computation_raises_where_its_result_is_used():
-    def fail():
-        raise ValueError("budget too small")
+def test_a_failed_background_plan_is_not_published_and_raises_where_the_switch_uses_it(specs):
+    store = DictStore()
+    prep = MemberPrep(inputs(specs, None, budget=0), get_model_config("debug").with_overrides(n_layers=2))
+    with pytest.raises(ValueError, match="budget_bytes must be a positive integer"):
+        prep.plan()
+    prep.publish(store)
+    assert INTENT_KEY not in store.data
 
-    job = Background("key", fail, "test")
-    with pytest.raises(ValueError, match="budget too small"):
+    job = Background("key", lambda: 1 // 0, "test")
+    with pytest.raises(ZeroDivisionError):
         job.result()
     assert job.done()

@@ -203,9 +203,10 @@ class MemberPrep:
             return
         self.published = True
         try:
-            store.set(INTENT_KEY, json.dumps(self.plan().intent()))
-        except ValueError:
-            pass  # the plan failed; the switch reports it when it plans again at the boundary
+            intent = self.plan().intent()
+        except Exception:  # raised again, on every rank, where the switch uses the plan
+            return
+        store.set(INTENT_KEY, json.dumps(intent))
 
 
 class JoinerPrep:
