@@ -172,12 +172,8 @@ class ElasticManager:
         self.store.set(f"elastic/ready/{self.member_id}", str(time.time()))
 
     def ready_joiners(self) -> list[str]:
-        """Registered joiners that said they are ready and still beat, in arrival order."""
-        return [m for m, ready in self.live_joiners() if ready]
-
-    def live_joiners(self) -> list[tuple[str, bool]]:
-        """Registered joiners that still beat, in arrival order, each with whether it said it is ready. A joiner
-        whose beats stopped for ``5 * heartbeat`` (it died or hangs) is dropped instead of being admitted."""
+        """Registered joiners that said they are ready and still beat, in arrival order. A joiner whose beats
+        stopped for ``5 * heartbeat`` (it died or hangs) is dropped instead of being admitted."""
         assert self.world is not None
         now, out = time.monotonic(), []
         for m in sorted(pending_joiners(self.store, self.world.members)):
@@ -188,7 +184,8 @@ class ElasticManager:
             elif now - seen[1] > 5 * self.config.heartbeat:
                 self.drop_joiner(m, f"it stopped beating for {now - seen[1]:.1f}s (the process died or hangs)")
                 continue
-            out.append((m, self.store.check([f"elastic/ready/{m}"])))
+            if self.store.check([f"elastic/ready/{m}"]):
+                out.append(m)
         return out
 
     def drop_joiner(self, member_id: str, reason: str) -> None:
