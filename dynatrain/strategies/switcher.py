@@ -368,7 +368,7 @@ class Switcher:
         if prepared is not None and prepared.inputs == inputs:
             world_plan, skeleton = prepared.plan(), prepared.skeleton()
         else:
-            world_plan, skeleton = plan_world_change(inputs), None
+            world_plan, skeleton, prepared = plan_world_change(inputs), None, None
         plan, old_layout = world_plan.plan, world_plan.old_layout
         target_members, target_ranks = world_plan.target_members(inputs.union), world_plan.target_ranks
         union = list(inputs.union)
@@ -433,7 +433,7 @@ class Switcher:
             timer.lap("verify")
         release_freed_memory()
         return self._report(plan, old_cfg, target, target_ranks, stats, verified, timer,
-                            prepared=skeleton is not None)
+                            prepared=prepared is not None)
 
     # ---- a process joining a running job ------------------------------------------------------------------
     def join(self) -> None:
