@@ -2,7 +2,7 @@
 
 A scale-out waits across optimizer-step boundaries until enough joiners are ready, and joiners take seconds to
 get there (imports, Trainer, data). Meanwhile every member plans the world change in a background thread: the
-routing plan (pure Python, seconds for a 70B model on a thousand ranks), the target generation's rank order and
+routing plan (pure Python, up to a second for a 70B model on a thousand ranks), the target generation's rank order and
 the target model's skeleton on the meta device.
 
 A plan works on process ids, the indices of the sorted union of members and joiners. Joiner ids carry the job's
