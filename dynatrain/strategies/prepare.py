@@ -125,18 +125,13 @@ def plan_world_change(inputs: ChangeInputs) -> WorldPlan:
     old_layout = Layout.from_config(inputs.specs, inputs.old, rank_map=list(inputs.old_ids))
     rank_map = inputs.rank_map if isinstance(inputs.rank_map, str) else list(inputs.rank_map)
     members = inputs.member_ids
-    placed: dict = {}
 
     def plan_with(order):
         return plan_switch(old_layout, inputs.target, leave=inputs.leave, joiners=inputs.joiners,
                            rank_map=rank_map if order is None else order, budget_bytes=inputs.budget)
 
-    def ranks_of(plan):
-        placed["order"], ranks = target_order(plan, members)
-        return ranks
-
-    plan, ranks = plan_mesh_safe(plan_with, ranks_of, inputs.target)
-    return WorldPlan(inputs, old_layout, plan, placed["order"], ranks)
+    plan, _ = plan_mesh_safe(plan_with, lambda plan: target_order(plan, members)[1], inputs.target)
+    return WorldPlan(inputs, old_layout, plan, *target_order(plan, members))
 
 
 def plan_from_payload(payload: dict) -> tuple[SwitchPlan, Layout]:
