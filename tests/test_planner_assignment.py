@@ -8,10 +8,12 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
 from _planner_check import execute
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import plan_switch
 from dynatrain.planner.assignment import candidates, identity_map, kept_bytes, optimal_map
 from dynatrain.planner.routing import overlaps, saved_matrix
-from dynatrain.vps import Layout, ParallelConfig, model_states
+from dynatrain.models.specs import model_states
+from dynatrain.vps import Layout, ParallelConfig
 
 
 def _problem(old_cfg, new_cfg, leave=(), kind="fp32"):
@@ -111,7 +113,7 @@ def test_without_nodes_the_assignment_is_exact():
 
 
 def test_tp_groups_stay_inside_nodes_and_leavers_get_nothing():
-    old = Layout.for_model("debug", ParallelConfig(dp_shard=4, tp=2))
+    old = layout_for_model("debug", ParallelConfig(dp_shard=4, tp=2))
     plan = plan_switch(old, "dp_shard=2,tp=2", leave=[1, 6], gpus_per_node=4)
     rm = plan.assignment.rank_map
     assert 1 not in rm and 6 not in rm

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from _planner_check import execute
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import Transfer, plan_switch, route
 from dynatrain.vps import Box, Layout, ParallelConfig, StateSpec
 
@@ -117,7 +118,7 @@ def test_uneven_and_rank_map_with_gaps():
 
 def test_llama3_70b_128_to_64_identity_vs_optimal():
     """Identity keeps only rank 0's first 1/128; the optimal map keeps one of two old chunks per new shard."""
-    old = Layout.for_model("llama3-70b", ParallelConfig(dp_shard=128))
+    old = layout_for_model("llama3-70b", ParallelConfig(dp_shard=128))
     plan = plan_switch(old, "dp_shard=64")
     total = plan.bytes_total
     assert plan.bytes_moved_identity * 128 == total * 127  # 99.2%

@@ -10,7 +10,8 @@ from dynatrain.planner.layouts import (
     GiB, CostModel, Devices, LayoutPolicy, Workload, choose_layout, enumerate_configs, estimate_layout,
     plan_layout, price_switch, rank_layouts, weigh_switch,
 )
-from dynatrain.vps import Layout, ParallelConfig, model_states
+from dynatrain.models.specs import model_states
+from dynatrain.vps import Layout, ParallelConfig
 
 H100 = 989e12  # dense bf16 FLOP/s
 

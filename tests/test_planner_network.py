@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import NetworkModel, plan_switch
 from dynatrain.vps import Layout, ParallelConfig
 
@@ -40,7 +41,7 @@ def test_bad_network_is_refused():
 
 
 def test_70b_128_to_64_is_predicted_under_a_second():
-    old = Layout.for_model("llama3-70b", ParallelConfig(dp_shard=128))
+    old = layout_for_model("llama3-70b", ParallelConfig(dp_shard=128))
     net = NetworkModel()
     for leave in ((), tuple(range(64, 128))):
         plan = plan_switch(old, "dp_shard=64", leave=leave, gpus_per_node=8)

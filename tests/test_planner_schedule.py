@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from _planner_check import execute
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import plan_switch
 from dynatrain.planner.schedule import min_budget, schedule_pairs
 from dynatrain.vps import Layout, ParallelConfig, StateSpec
@@ -97,7 +98,7 @@ def test_sources_are_freed_early_and_destinations_allocated_late():
 def test_phases_keep_the_doubled_state_under_the_budget():
     # dp_shard=4 -> dp_shard=2: the survivors' states double, the leavers' vanish. Without phases every
     # survivor would allocate all of its destinations while still holding its sources.
-    old = Layout.for_model("debug", ParallelConfig(dp_shard=4))
+    old = layout_for_model("debug", ParallelConfig(dp_shard=4))
     budget = 1 << 20
     plan = plan_switch(old, "dp_shard=2", leave=[2, 3], budget_bytes=budget)
     assert len(plan.groups) > 1
@@ -125,7 +126,7 @@ def _held(layout, name, p):
 
 
 def test_streams_put_wide_dtypes_first_so_pieces_stay_aligned():
-    old = Layout.for_model("debug", ParallelConfig(dp_shard=2), kind="bf16-adam")
+    old = layout_for_model("debug", ParallelConfig(dp_shard=2), kind="bf16-adam")
     plan = plan_switch(old, "dp_shard=3", budget_bytes=300_000)
     size = {s.name: s.itemsize for s in old.states}
     for p in plan.processes:
@@ -142,7 +143,7 @@ def test_streams_put_wide_dtypes_first_so_pieces_stay_aligned():
 def test_messages_match_in_posting_order_per_channel():
     """Each rank posts its rounds in order; messages of one (src, dst) channel pair up FIFO. The k-th send
     on a channel must meet the k-th receive in the same round with the same pieces."""
-    old = Layout.for_model("debug", ParallelConfig(dp_replicate=2, dp_shard=2, tp=2))
+    old = layout_for_model("debug", ParallelConfig(dp_replicate=2, dp_shard=2, tp=2))
     plan = plan_switch(old, "dp_shard=3,tp=2", leave=[5], budget_bytes=100_000, gpus_per_node=4)
     assert plan.num_rounds > 3
     sent: dict[tuple[int, int], list] = {}
@@ -166,9 +167,10 @@ sys.modules["dynatrain"] = pkg
 """
 
 _FINGERPRINT = """
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import plan_switch
 from dynatrain.vps import Layout, ParallelConfig
-old = Layout.for_model("debug", ParallelConfig(dp_replicate=2, dp_shard=2, tp=2), kind="bf16-adam",
+old = layout_for_model("debug", ParallelConfig(dp_replicate=2, dp_shard=2, tp=2), kind="bf16-adam",
                        rank_map=[3, 9, 1, 4, 12, 0, 7, 2])
 plan = plan_switch(old, "dp_shard=3,tp=2", leave=[9], budget_bytes=200_000, gpus_per_node=4)
 print(plan.fingerprint())

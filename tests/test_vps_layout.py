@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import pytest
 
+from dynatrain.models.specs import layout_for_model
 from dynatrain.models.configs import get_model_config
-from dynatrain.vps import Layout, ParallelConfig, StateSpec, model_states
+from dynatrain.models.specs import model_states
+from dynatrain.vps import Layout, ParallelConfig, StateSpec
 from dynatrain.vps.box import Box
 
 
@@ -25,7 +27,7 @@ def test_model_states_names_and_dtypes():
 
 
 def test_classes_are_shared_by_layers_and_moments():
-    layout = Layout.for_model("llama3-70b", ParallelConfig(dp_shard=4, tp=2))
+    layout = layout_for_model("llama3-70b", ParallelConfig(dp_shard=4, tp=2))
     # wq, wk=wv, wo, w1=w3, w2, norms, embedding=output: 7 distinct splits for 2,169 states.
     assert len(layout.classes) == 7 and len(layout.states) == 3 * (80 * 9 + 3)
 
@@ -67,4 +69,4 @@ def test_bad_specs_are_refused():
     with pytest.raises(ValueError, match="scalar"):
         StateSpec("step", ())
     with pytest.raises(ValueError, match="tp=3 does not divide"):
-        Layout.for_model("debug", ParallelConfig(tp=3))
+        layout_for_model("debug", ParallelConfig(tp=3))

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from dynatrain.vps.box import Box
 from dynatrain.vps.parallel_config import ParallelConfig
-from dynatrain.vps.rules import ShardRule, chunk_bounds, layout_shards, local_shards, rule_for_param
+from dynatrain.models.specs import rule_for_param
+from dynatrain.vps.rules import ShardRule, chunk_bounds, layout_shards, local_shards
 
 
 def test_chunk_bounds_is_torch_chunk_padded():

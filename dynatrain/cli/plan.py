@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from dynatrain.models.specs import layout_for_model
 from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
@@ -88,7 +89,7 @@ def compute(args: argparse.Namespace) -> dict:
     network = NetworkModel(args.gpus_per_node or 8, args.link_gbps, args.nics_per_node, args.intra_node_gbps)
 
     start = time.perf_counter()
-    old = Layout.for_model(model, args.old, args.state)
+    old = layout_for_model(model, args.old, args.state)
     plan = plan_switch(old, args.new, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
                        budget_bytes=budget, gpus_per_node=args.gpus_per_node)
     sent, recv = plan.rank_bytes()

@@ -22,9 +22,9 @@ from functools import lru_cache
 from dynatrain.models.configs import ModelConfig, get_model_config
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.vps.layout import DTYPE_ITEMSIZE, STATE_KINDS, Layout, model_states
+from dynatrain.models.specs import model_states, rule_for_param
+from dynatrain.vps.layout import DTYPE_ITEMSIZE, STATE_KINDS, Layout
 from dynatrain.vps.parallel_config import ParallelConfig
-from dynatrain.vps.rules import rule_for_param
 
 GiB = 1 << 30
 DEFAULT_SWITCH_BUDGET = 256 << 20  # the strategy's default switch_budget_mb

@@ -454,7 +454,7 @@ def _expand_rank(plan: SwitchPlan, rank: int) -> RankPlan:
 
 def plan_switch(
     old: Layout,
-    new_config: ParallelConfig | str,
+    new_config: ParallelConfig | str | Layout,
     *,
     leave: Iterable[int] = (),
     lost: Iterable[int] = (),
@@ -466,19 +466,31 @@ def plan_switch(
 ) -> SwitchPlan:
     """Plan the switch of ``old``'s states to ``new_config``: assignment, routing, rounds.
 
+    ``new_config`` is a layout shape, whose boxes follow from the states' rules, or a `Layout` of the same states
+    whose boxes were read from the target's placements (its rank map is ignored: the assignment chooses one).
+
     ``leave``: processes that send what they hold, then get no position. ``lost``: processes already gone,
     whose data must come from replicas. ``joiners``: new processes (default: fresh ids as needed).
     ``rank_map``: "optimal", "identity" or an explicit process per new position. ``gpus_per_node``: keep
     every new TP group inside a node (process p lives on node p // gpus_per_node) and prefer replicas on
     the destination's node.
     """
-    new_config = ParallelConfig.parse(new_config)
+    if isinstance(new_config, Layout):
+        if new_config.config is None:
+            raise ValueError("a target Layout needs its ParallelConfig (`config`) to plan against")
+        old.same_states(new_config)
+        new0 = new_config.with_rank_map(range(new_config.world_size))
+        new_config = new_config.config
+    else:
+        new_config = ParallelConfig.parse(new_config)
+        new0 = None
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     lost = sorted(set(int(p) for p in lost))
     cands, joins = candidates(old, new_config.world_size, leave, joiners, lost)
     src = old.without(lost) if lost else old
-    new0 = Layout.from_config(old.states, new_config)
+    if new0 is None:
+        new0 = Layout.from_config(old.states, new_config)
     ovs = overlaps(src, new0)
     w = saved_matrix(ovs, src, new0, cands)
     asg = assign(w, cands, joins, new_config, rank_map, gpus_per_node)

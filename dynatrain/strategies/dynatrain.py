@@ -8,12 +8,14 @@ parallelises a dynatrain `Transformer` itself when the LightningModule does not 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,6 +28,7 @@ from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticMan
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import dp_submesh, init_mesh, materialize_model, parallelize_model
 from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
+from dynatrain.strategies.target import ModuleTemplate
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,6 +114,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # Called on every rank before a switch moves any state (e.g. to finish an in-flight asynchronous
         # snapshot, whose background collectives would otherwise meet the old groups being torn down).
         self.switch_guards: list = []
+        self._template: ModuleTemplate | None = None  # the LightningModule before configure_model(), on meta
+        self._target: tuple[DeviceMesh, ParallelConfig] | None = None  # set while a target layout is built
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
@@ -214,9 +219,11 @@ class DynaTrainStrategy(ModelParallelStrategy):
     def parallelize(
         self, model: Transformer, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
     ) -> Transformer:
-        """Apply TP and FSDP to a dynatrain Transformer for a layout (default: the current one)."""
-        mesh = mesh or self.device_mesh
-        pcfg = pcfg or self.parallel_config
+        """Apply TP and FSDP to a dynatrain Transformer for a layout (default: the current one, or the target
+        a switch is building)."""
+        target_mesh, target_pcfg = self._target or (None, None)
+        mesh = mesh or target_mesh or self.device_mesh
+        pcfg = pcfg or target_pcfg or self.parallel_config
         assert pcfg is not None
         return parallelize_model(
             model,
@@ -240,14 +247,51 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.parallelize(model, mesh, pcfg)
         return self.precision_plugin.convert_module(model)
 
+    @contextmanager
+    def model_sharded_context(self):
+        # Entered right before Lightning calls configure_model(): the module as the user built it is the template
+        # every target layout is parallelised from.
+        self._keep_template()
+        with super().model_sharded_context():
+            yield
+
+    def _keep_template(self) -> None:
+        module = self.lightning_module
+        if self._template is None and module is not None:
+            self._template = ModuleTemplate(module, keep=(module._trainer,))
+
+    def build_target(self, mesh: DeviceMesh, pcfg: ParallelConfig):
+        """A copy of the LightningModule parallelised for ``pcfg`` on ``mesh`` by the user's own configure_model()
+        (or the strategy's parallelisation of the Transformers it holds), on the meta device."""
+        if self._template is None:
+            raise ValueError("the LightningModule was not set up by this strategy's fit, so its parallelisation "
+                             "cannot be run again for another layout")
+
+        def parallelize(module) -> None:
+            if is_overridden("configure_model", self.lightning_module):
+                with self.precision_plugin.module_init_context():
+                    module.configure_model()
+            else:
+                self._parallelize_children(module)
+
+        self._target = (mesh, pcfg)
+        try:
+            target = self._template.build(mesh, parallelize)
+        finally:
+            self._target = None
+        return self.precision_plugin.convert_module(target)
+
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._keep_template()
         if not is_overridden("configure_model", self.lightning_module):
             self._parallelize_children()
         for module in self.model.modules():
             if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
                 self.materialize(module)
+        # A model the user built on meta: initialised by its reset_parameters(), as ModelParallelStrategy does.
+        _materialize_distributed_module(self.model, self.root_device)
         if self._switcher is not None:
             self._switcher.receive_joined()  # the members wait in the transfer, whatever this module holds
         self.model = self.precision_plugin.convert_module(self.model)
@@ -265,8 +309,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize_children(self) -> None:
-        found = [m for m in self.model.modules() if isinstance(m, Transformer)]
+    def _parallelize_children(self, root=None) -> None:
+        found = [m for m in (root or self.model).modules() if isinstance(m, Transformer)]
         if not found:
             raise TypeError(
                 "DynaTrainStrategy found no dynatrain Transformer in the LightningModule and no `configure_model()`"
@@ -292,6 +336,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
 
     def materialize(self, model: Transformer) -> None:
         """Give a meta-device Transformer its storage: initialised weights, or a joiner's received shards."""
+        if self._target is not None:
+            return  # a target layout stays on meta: the switch fills it
         if self._switcher is not None and self._switcher.joined is not None:
             self._switcher.adopt_joined_weights(model)
         else:

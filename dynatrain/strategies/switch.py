@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from dynatrain.models.specs import rule_for_param
 from dynatrain.vps.layout import StateSpec
-from dynatrain.vps.rules import rule_for_param
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -43,7 +43,10 @@ from dynatrain.strategies.prepare import (
     plan_mesh_safe,
     plan_world_change,
 )
+from dynatrain.strategies.adopt import fill_target, restore_optimizer
+from dynatrain.strategies.capture import capture, check_switchable, target_shardings
 from dynatrain.strategies.recovery import is_peer_loss, recover
+from dynatrain.strategies.target import release_children, transplant
 from dynatrain.strategies.switch import (
     PhaseTimer,
     SwitchReport,
@@ -96,6 +99,9 @@ class Switcher:
         self.prepared: MemberPrep | None = None  # the pending world change, planned in the background
         self.accumulation_offset = 0
         self.trainer: pl.Trainer | None = None
+        self._target_shardings: dict[ParallelConfig, dict] = {}  # per target layout: parameter -> Sharding
+        self._probes: dict = {}  # target layout -> its meta build on the default rank order, made at request time
+        self.released = False  # the old layout's state was handed to the engine: a failure now cannot be undone
 
     # ---- Lightning wiring ---------------------------------------------------------------------------------
     def attach(self, trainer: pl.Trainer) -> None:
@@ -162,7 +168,7 @@ class Switcher:
             return False
         if isinstance(error, (WorldChangeError, SwitchVerificationError)) or not is_peer_loss(error):
             return False
-        return strategy.lightning_module.model is not None  # a switch that began moving state cannot be undone
+        return not self.released  # a switch that began moving state cannot be undone
 
     def at_boundary(self) -> bool:
         trainer = self.trainer
@@ -204,12 +210,29 @@ class Switcher:
         cap = strategy.elastic.config.max_devices
         if cap is not None and target.world_size > cap:
             raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
+        if not isinstance(getattr(strategy.lightning_module, "model", None), Transformer):
+            raise ValueError(
+                f"{target.short()} changes the number of processes, which works so far for LightningModules that "
+                "hold a dynatrain Transformer as `model`; any module can switch layouts within its processes"
+            )
+
+    def _check_module(self, target: ParallelConfig) -> None:
+        """Refuse now what the switch could not carry: the module's states, and its parallelisation for ``target``
+        (run on meta; the result is kept for the switch)."""
+        strategy = self.strategy
+        check_switchable(strategy.lightning_module, strategy.optimizers)
+        captured = capture(strategy.lightning_module, self._optimizer(), strategy.device_mesh)
+        _, probe = self._target_layout(target, captured)
+        if probe is not None:
+            self._probes[target] = probe
 
     def request(self, target: str | ParallelConfig, leave=()) -> ParallelConfig:
         leave = tuple(sorted({int(r) for r in leave}))
         parsed = ParallelConfig.parse(target)
         self.check_world(parsed, leave)
         target = self.check(parsed, world_size=parsed.world_size)
+        if parsed.world_size == self.strategy.world_size and not leave:
+            self._check_module(target)
         self.pending = _Pending(target, leave, time.monotonic())
         self.prepared = None
         if self.trainer is None or not self.trainer.training:
@@ -260,7 +283,7 @@ class Switcher:
         try:
             yield
         except ValueError as e:
-            if self.strategy.lightning_module.model is None:
+            if self.released:
                 raise
             rank_zero_warn(f"switch to {p.target.short()} refused, training goes on as "
                            f"{self.strategy.parallel_config.short()}: {e}")
@@ -305,51 +328,143 @@ class Switcher:
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None,
                budget_mb: float | None = None) -> SwitchReport:
-        """A layout switch within the current world (same processes)."""
+        """A layout switch within the current world (same processes), for any module the strategy set up: the
+        states are read from the live module and optimizer, the target from the module's own parallelisation."""
         self._require_boundary()
         timer = PhaseTimer()
         strategy = self.strategy
         target = self.check(target)
-        model, optimizer = self._current()
+        module, optimizer = strategy.lightning_module, self._optimizer()
         old_cfg, rank = strategy.parallel_config, strategy.global_rank
         budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
 
-        specs = state_specs(model, optimizer)
-        old_layout = Layout.from_config(specs, old_cfg, rank_map=strategy.positions)
+        check_switchable(module, strategy.optimizers)
+        captured = capture(module, optimizer, strategy.device_mesh)
+        self._agree_on(captured)
+        old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=strategy.positions)
+        target_layout, probe = self._target_layout(target, captured)
         plan, _ = plan_mesh_safe(
-            lambda order: plan_switch(old_layout, target, rank_map=order or rank_map or strategy.rank_map,
+            lambda order: plan_switch(old_layout, target_layout, rank_map=order or rank_map or strategy.rank_map,
                                       budget_bytes=budget),
             lambda plan: list(plan.new.rank_map), target)
-        src = collect_sources(model, optimizer)
-        validate_sources(plan, rank, src)
+        validate_sources(plan, rank, captured.sources)
         timer.lap("plan")
 
         positions = list(plan.new.rank_map)
         new_mesh = strategy._build_mesh(target, ranks=positions)
-        new_model = strategy.meta_model(model.config, new_mesh, target)
+        if probe is None or positions != list(range(target.world_size)):
+            probe = strategy.build_target(new_mesh, target)
         timer.lap("build")
 
-        old_sums = local_checksums(old_layout, rank, src) if strategy.verify_switches else None
-        kept = self._keep(model, optimizer)
-        self._release(model, optimizer)
-        del model, optimizer
+        old_sums = local_checksums(old_layout, rank, captured.sources) if strategy.verify_switches else None
+        kept = self._keep_states(captured, optimizer)
+        src, buffers = captured.sources, captured.buffers
+        names = self._release_module(module, optimizer)
+        self.released = True
+        del optimizer, captured
+        gc.collect()
         timer.lap("release")
 
         dst, stats = run_transition(plan, rank, src, device=strategy.root_device)
         del src
         timer.lap("transfer")
 
-        self._adopt(new_model, new_mesh, target, positions, dst, kept)
+        fill_target(probe, names, dst, buffers, strategy.root_device)
+        del buffers
+        transplant(module, probe, names)
+        strategy._device_mesh = module._device_mesh = new_mesh
+        strategy.parallel_config, strategy.positions = target, positions
+        self._restore_optimizer(module, dst, kept)
+        self._move_data(target)
+        self.released = False
         timer.lap("adopt")
 
         verified = None
         if old_sums is not None:
-            new_sums = local_checksums(plan.new, rank, collect_sources(new_model, self._optimizer()))
+            new_sums = local_checksums(plan.new, rank, capture(module, self._optimizer(), new_mesh).sources)
             verified = self._verified(compare(old_layout, old_sums, plan.new, new_sums, device=strategy.root_device),
                                       old_cfg, target)
             timer.lap("verify")
         release_freed_memory()
         return self._report(plan, old_cfg, target, positions, stats, verified, timer)
+
+    def _agree_on(self, captured) -> None:
+        """Every rank must plan from the same specs: one all-reduce of their fingerprint before anything moves."""
+        strategy = self.strategy
+        if strategy.world_size == 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        mark = captured.fingerprint()
+        t = torch.tensor([mark, -mark], dtype=torch.int64, device=strategy.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != mark or int(t[1]) != -mark:
+            raise ValueError("the ranks hold different sets of states (names, shapes, dtypes or placements): a "
+                             "module or optimizer that differs between ranks cannot be switched")
+
+    def _target_layout(self, target: ParallelConfig, captured):
+        """The target layout of the captured states, from the module's parallelisation for ``target`` run on meta
+        (once per layout; the build on the default rank order is returned for reuse when the plan keeps it)."""
+        strategy = self.strategy
+        shardings = self._target_shardings.get(target)
+        probe = self._probes.pop(target, None) if shardings is not None else None
+        if shardings is None:
+            mesh = strategy._build_mesh(target)
+            try:
+                probe = strategy.build_target(mesh, target)
+                per_param = target_shardings(probe, mesh, captured)
+            except ValueError:
+                raise
+            except Exception as e:
+                raise ValueError(f"the model's parallelisation failed for {target.short()} (run on the meta device): "
+                                 f"{type(e).__name__}: {e}") from e
+            shardings = {captured.param_of[s.name][0]: sh for s, sh in zip(captured.specs, per_param)}
+            self._target_shardings[target] = shardings
+        try:
+            per_state = [shardings[captured.param_of[s.name][0]] for s in captured.specs]
+        except KeyError as e:
+            raise ValueError(f"parameter {e.args[0]!r} appeared after the target layout was built") from None
+        return Layout.from_shardings(captured.specs, per_state, target), probe
+
+    def _keep_states(self, captured, optimizer) -> dict:
+        """What survives a switch besides the routed shards: scalars, hyper-parameters, schedules."""
+        return {
+            "param_of": captured.param_of, "scalars": captured.scalars,
+            "order": {self._param_names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer else {},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if optimizer else [],
+            "schedulers": [cfg.scheduler.state_dict() for cfg in self.strategy.lr_scheduler_configs],
+        }
+
+    @property
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.strategy.lightning_module.named_parameters()}
+
+    def _release_module(self, module, optimizer) -> list[str]:
+        """Drop every reference to the old shards but the engine's, so it can free each after its last send."""
+        if optimizer is not None:
+            optimizer.state.clear()
+            for g in optimizer.param_groups:
+                g["params"] = []
+        self.strategy.optimizers = []
+        return release_children(module)
+
+    def _restore_optimizer(self, module, dst, kept) -> None:
+        strategy = self.strategy
+        if self.trainer is None:
+            return
+        strategy.setup_optimizers(self.trainer)
+        if not strategy.optimizers:
+            return
+        optimizer = strategy.optimizers[0]
+        if len(optimizer.param_groups) != len(kept["groups"]):
+            raise RuntimeError("configure_optimizers() returned different parameter groups after the switch")
+        for group, old in zip(optimizer.param_groups, kept["groups"]):
+            group.update(old)
+        restore_optimizer(optimizer, module, dst, kept["param_of"], kept["scalars"], kept["order"])
+        for cfg, state in zip(strategy.lr_scheduler_configs, kept["schedulers"]):
+            cfg.scheduler.load_state_dict(state)
 
     def switch_world(self, target: ParallelConfig, leave: tuple[int, ...], joiners: list[str]) -> SwitchReport:
         """A switch that changes the processes: ``leave`` (current ranks) go, ``joiners`` (ready member ids) come.
@@ -543,6 +658,7 @@ class Switcher:
     def _release(self, model, optimizer) -> None:
         """Drop every reference to the old shards but the engine's, so it can free each after its last send."""
         self.strategy.lightning_module.model = None
+        self.released = True
         if optimizer is not None:
             optimizer.state.clear()
             for g in optimizer.param_groups:
@@ -557,6 +673,7 @@ class Switcher:
         allocate_model(new_model, strategy.root_device)
         adopt_weights(new_model, dst)
         module.model = new_model
+        self.released = False
         strategy._device_mesh = new_mesh
         module._device_mesh = new_mesh
         strategy.parallel_config = target

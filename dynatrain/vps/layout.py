@@ -17,10 +17,10 @@ from functools import cached_property
 
 import numpy as np
 
-from dynatrain.models.configs import ModelConfig, get_model_config
 from dynatrain.vps.box import Box
 from dynatrain.vps.parallel_config import ParallelConfig
-from dynatrain.vps.rules import LocalShards, ShardRule, layout_shards, rule_for_param
+from dynatrain.vps.placement import Sharding, sharding_shards
+from dynatrain.vps.rules import LocalShards, ShardRule, layout_shards
 
 DTYPE_ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
@@ -69,19 +69,6 @@ class StateSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
-
-
-def model_states(model: str | ModelConfig, kind: str = "fp32-adam") -> tuple[StateSpec, ...]:
-    """Every routed state of a model: per parameter, the weight and its optimizer states (see STATE_KINDS)."""
-    cfg = get_model_config(model)
-    if kind not in STATE_KINDS:
-        raise ValueError(f"unknown state kind {kind!r}; choose one of {', '.join(STATE_KINDS)}")
-    out = []
-    for name, shape in cfg.param_shapes().items():
-        rule = rule_for_param(name, shape)
-        for suffix, dtype in STATE_KINDS[kind]:
-            out.append(StateSpec(name + suffix, shape, dtype, rule.tp_dim, rule.fused))
-    return tuple(out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,13 +130,26 @@ class Layout:
         return cls(states, tuple(state_class), classes, tuple(rank_map), pcfg)
 
     @classmethod
-    def for_model(
-        cls, model: str | ModelConfig, pcfg: ParallelConfig, kind: str = "fp32-adam",
+    def from_shardings(
+        cls, states: Iterable[StateSpec], shardings: Sequence[Sharding], config: ParallelConfig,
         rank_map: Sequence[int | None] | None = None,
     ) -> "Layout":
-        cfg = get_model_config(model)
-        pcfg.validate(cfg)
-        return cls.from_config(model_states(cfg, kind), pcfg, rank_map)
+        """The layout of states whose placements were read from DTensors (``shardings[i]`` for ``states[i]``), on
+        the root mesh of ``config``; ``rank_map`` defaults to position = process."""
+        states, shardings = tuple(states), tuple(shardings)
+        if len(states) != len(shardings):
+            raise ValueError(f"{len(states)} states need as many shardings, got {len(shardings)}")
+        mesh = config.mesh_shape
+        for s, sh in zip(states, shardings):
+            if sh.mesh_shape != mesh:
+                raise ValueError(f"state {s.name!r} lies on a mesh of shape {sh.mesh_shape}, the layout's is {mesh}")
+            sh.order(len(s.shape))  # a sharding that cannot be described fails here, naming the state's placements
+        if rank_map is None:
+            rank_map = tuple(range(config.world_size))
+        keys: dict[tuple, int] = {}
+        state_class = [keys.setdefault((s.shape, sh), len(keys)) for s, sh in zip(states, shardings)]
+        classes = tuple(sharding_shards(shape, sh) for shape, sh in keys)
+        return cls(states, tuple(state_class), classes, tuple(rank_map), config)
 
     def with_rank_map(self, rank_map: Sequence[int | None]) -> "Layout":
         """The same boxes at the same positions, taken by other processes."""

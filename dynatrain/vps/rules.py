@@ -13,19 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynatrain.models.tp_plan import tp_shard_dim
 from dynatrain.vps.box import Box
 from dynatrain.vps.parallel_config import ParallelConfig
-
-
-def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
-    """``[lo, hi)`` of chunk ``index`` when ``torch.chunk`` splits ``n`` items into ``parts`` (padded to
-    ``parts`` with empty chunks, as DTensor and FSDP2 do)."""
-    if parts < 1 or not 0 <= index < parts:
-        raise ValueError(f"chunk {index} of {parts} does not exist")
-    size = -(-n // parts)
-    lo = min(index * size, n)
-    return lo, min(lo + size, n)
+from dynatrain.vps.placement import LocalShards, chunk_bounds
 
 
 @dataclass(frozen=True)
@@ -55,33 +45,6 @@ class ShardRule:
                 raise ValueError(
                     f"fused parts {fused} must be non-negative and add up to dim {self.tp_dim} of shape {shape}"
                 )
-
-
-@dataclass(frozen=True)
-class LocalShards:
-    """What one mesh position holds of one state.
-
-    ``boxes[i]`` (global coordinates) sits in the position's local tensor at ``offsets[i]``; the local tensor
-    has ``local_shape`` (possibly with a zero dimension: an empty FSDP chunk still exists as a tensor).
-    Empty boxes are left out, so ``boxes`` is empty when the position holds no element.
-    """
-
-    boxes: tuple[Box, ...]
-    offsets: tuple[tuple[int, ...], ...]
-    local_shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.boxes)
-
-
-def rule_for_param(name: str, shape: tuple[int, ...]) -> ShardRule:
-    """The rule `apply_tp` gives a model parameter, read from the one TP table in `models.tp_plan`."""
-    try:
-        dim = tp_shard_dim(name)
-    except KeyError as err:
-        raise ValueError(f"{err.args[0]}: add it to dynatrain/models/tp_plan.py") from None
-    return ShardRule(tuple(shape), dim)
 
 
 def _tp_ranges(rule: ShardRule, tp: int, t: int) -> list[list[tuple[int, int]]]:

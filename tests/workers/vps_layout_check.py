@@ -29,8 +29,10 @@ if __name__ == "__main__" and "dynatrain" not in sys.modules:
     _pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "dynatrain")]
     sys.modules["dynatrain"] = _pkg
 
+from dynatrain.models.specs import layout_for_model
 from dynatrain.models.configs import ModelConfig, get_model_config
 from dynatrain.models.parallelize import build_parallel_model, init_mesh
+from dynatrain.strategies.capture import capture
 from dynatrain.vps import Layout, ParallelConfig
 
 # Uneven on purpose: vocab 10 and ffn 6 do not split evenly, and ffn 6 over dp_shard=4 leaves an empty shard.
@@ -55,8 +57,19 @@ def check(model_cfg: ModelConfig, pcfg: ParallelConfig, rank: int) -> tuple[list
     for param in model.parameters():
         param.grad = torch.ones_like(param)
     opt.step()
-    layout = Layout.for_model(model_cfg, pcfg)
+    layout = layout_for_model(model_cfg, pcfg)
     problems, checked, empty = [], 0, 0
+    # The placements read from the live model give the analytic boxes, at every position.
+    cap = capture(model, opt, mesh)
+    captured = Layout.from_shardings(cap.specs, cap.shardings, pcfg)
+    if sorted((s.name, s.shape, s.dtype) for s in cap.specs) != sorted((s.name, s.shape, s.dtype) for s in layout.states):
+        problems.append(f"{model_cfg.name} {pcfg.short()}: captured states differ from the analytic ones")
+    else:
+        for spec in cap.specs:
+            for p in range(pcfg.world_size):
+                if captured.shards(spec.name, p) != layout.shards(spec.name, p):
+                    problems.append(f"{model_cfg.name} {pcfg.short()} position {p} {spec.name}: captured "
+                                    f"{captured.shards(spec.name, p)} != analytic {layout.shards(spec.name, p)}")
     for name, param in model.named_parameters():
         state = opt.state[param]
         for state_name, tensor in ((name, param), (name + ".exp_avg", state["exp_avg"]),

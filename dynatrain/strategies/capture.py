@@ -1,0 +1,210 @@
+"""A live module and its optimizer as routed states: names, shapes, dtypes and the placements DTensor records.
+
+Every parameter is a state under its fully qualified name; every optimizer tensor of its parameter's shape is a
+state ``<param>.<key>`` split like the parameter (AdamW's moments, amsgrad's ``max_exp_avg_sq``, SGD's
+``momentum_buffer``, RMSprop's ``square_avg``, Adagrad's ``sum``); 0-d entries and plain numbers (``step``) are
+equal on every rank and kept, not routed. Buffers are whole on every rank (FSDP2 and TP never split them) and are
+copied locally. Whatever else an optimizer keeps (a factored second moment, say) has no box in the parameter's
+space: `check_switchable` refuses it when the switch is requested, before anything moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+
+from dynatrain.vps.layout import DTYPE_ITEMSIZE, StateSpec
+from dynatrain.vps.placement import Replicate, Shard, Sharding, StridedShard
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _placement(p) -> Replicate | Shard | StridedShard:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):  # a subclass of Shard: test it first
+        return StridedShard(p.dim, p.split_factor)
+    if isinstance(p, TorchShard):
+        return Shard(p.dim)
+    if isinstance(p, TorchReplicate):
+        return Replicate()
+    raise ValueError(f"placement {p} (a pending reduction) cannot be switched: switch at an optimizer-step boundary")
+
+
+def _mesh_runs(mesh: DeviceMesh, root: DeviceMesh) -> list[tuple[int, ...] | None]:
+    """For each dimension of ``mesh`` (a sub-mesh or flattening of ``root``), the run of root dimensions it spans
+    (None for a dimension of size 1, which splits nothing)."""
+    root_ranks = root.mesh.cpu().numpy()
+    where = {int(r): np.unravel_index(i, root_ranks.shape) for i, r in enumerate(root_ranks.reshape(-1))}
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("a state lies on a mesh this process is not part of")
+    ranks = mesh.mesh.cpu().numpy()
+    out: list[tuple[int, ...] | None] = []
+    for k in range(ranks.ndim):
+        index = list(coord)
+        index[k] = slice(None)
+        line = [int(r) for r in ranks[tuple(index)]]
+        if len(line) == 1:
+            out.append(None)
+            continue
+        coords = np.array([where[r] for r in line])
+        varying = [d for d in range(coords.shape[1]) if len(set(coords[:, d])) > 1]
+        run = tuple(range(varying[0], varying[-1] + 1))
+        sizes = [root_ranks.shape[d] for d in run]
+        expected = np.array(list(np.ndindex(*sizes)))
+        if tuple(varying) != run or not np.array_equal(coords[:, list(run)], expected):
+            raise ValueError(
+                f"mesh dimension {k} of {mesh} runs over the root mesh's ranks {line} out of row-major order: only "
+                "sub-meshes and flattenings of the strategy's device mesh can be switched"
+            )
+        out.append(run)
+    return out
+
+
+def sharding_of(t: torch.Tensor, root: DeviceMesh) -> Sharding:
+    """How ``t`` lies on the root mesh: its DTensor placements, or whole everywhere for a plain tensor."""
+    shape = tuple(root.mesh.shape)
+    if not isinstance(t, DTensor):
+        return Sharding.replicated(shape)
+    placements, runs = [], []
+    for p, run in zip(t.placements, _mesh_runs(t.device_mesh, root)):
+        q = _placement(p)
+        if run is not None and not isinstance(q, Replicate):
+            placements.append(q)
+            runs.append(run)
+    return Sharding(shape, tuple(placements), tuple(runs))
+
+
+@dataclass
+class Captured:
+    """The routed states of a module and optimizer, with what is kept beside them."""
+
+    specs: tuple[StateSpec, ...]
+    shardings: tuple[Sharding, ...]
+    param_of: dict[str, tuple[str, str | None]]  # state -> (parameter, optimizer key or None for the weight)
+    sources: dict[str, torch.Tensor]  # this rank's local tensors
+    scalars: dict[str, dict]  # parameter -> optimizer entries that are not routed
+    buffers: dict[str, torch.Tensor]
+
+    def fingerprint(self) -> int:
+        """A number equal on every rank when every rank captured the same specs (all-reduced before planning)."""
+        import hashlib
+
+        text = repr([(s.name, s.shape, s.dtype, str(sh)) for s, sh in zip(self.specs, self.shardings)])
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _routed_entry(p: torch.Tensor, v) -> bool:
+    """An optimizer entry split like its parameter; False for a kept scalar; ValueError for anything else."""
+    if v is None or isinstance(v, (bool, int, float)):
+        return False
+    if not isinstance(v, torch.Tensor):
+        raise ValueError(f"an entry of type {type(v).__name__}")
+    if v.dim() == 0:
+        return False
+    if tuple(v.shape) != tuple(p.shape) or isinstance(v, DTensor) != isinstance(p, DTensor):
+        raise ValueError(f"a tensor of shape {tuple(v.shape)} beside a parameter of shape {tuple(p.shape)}")
+    if isinstance(v, DTensor) and tuple(v.placements) != tuple(p.placements):
+        raise ValueError(f"a tensor placed {v.placements} beside a parameter placed {p.placements}")
+    if dtype_name(v) not in DTYPE_ITEMSIZE:
+        raise ValueError(f"a tensor of dtype {v.dtype}")
+    return True
+
+
+def check_switchable(module: nn.Module, optimizers) -> None:
+    """Raise ValueError saying what to change when a switch could not carry this module and optimizer over."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        raise ValueError("fully_shard was applied to the LightningModule itself: apply it to the modules it holds "
+                         "(e.g. `fully_shard(self.model, mesh=...)`), so a switch can replace them")
+    seen: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ValueError(f"parameters {seen[id(p)]!r} and {name!r} are one tied tensor: switches do not carry "
+                             "tied weights yet; untie them (e.g. give the output projection its own weight)")
+        seen[id(p)] = name
+        if dtype_name(p) not in DTYPE_ITEMSIZE:
+            raise ValueError(f"parameter {name!r} has dtype {p.dtype}, which a switch cannot move")
+    for name, b in module.named_buffers():
+        if isinstance(b, DTensor):
+            raise ValueError(f"buffer {name!r} is a DTensor: a switch copies buffers whole; keep buffers plain "
+                             "tensors (FSDP2 and TP leave them so)")
+    if len(optimizers) > 1:
+        raise ValueError(f"configure_optimizers() returned {len(optimizers)} optimizers: a switch carries one")
+    names = {id(p): n for n, p in module.named_parameters()}
+    for opt in optimizers:
+        for p, state in opt.state.items():
+            for key, v in state.items():
+                try:
+                    _routed_entry(p, v)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{type(opt).__name__} keeps {e} as {key!r} of parameter {names.get(id(p), '?')!r}: a switch "
+                        "moves optimizer state of the parameter's shape (Adam, AdamW, SGD, RMSprop, Adagrad...) "
+                        "plus scalars; use such an optimizer"
+                    ) from None
+        for group in opt.param_groups:
+            missing = [p for p in group["params"] if id(p) not in names]
+            if missing:
+                raise ValueError(f"{type(opt).__name__} optimizes {len(missing)} tensor(s) that are not parameters of "
+                                 "the LightningModule: a switch rebuilds the optimizer from configure_optimizers()")
+
+
+def capture(module: nn.Module, optimizer, root: DeviceMesh) -> Captured:
+    """This rank's view of every routed state of ``module`` and ``optimizer`` (see the module docstring)."""
+    specs, shardings, param_of, sources, scalars = [], [], {}, {}, {}
+    for name, p in module.named_parameters():
+        sh = sharding_of(p, root)
+        specs.append(StateSpec(name, tuple(p.shape), dtype_name(p)))
+        shardings.append(sh)
+        param_of[name] = (name, None)
+        sources[name] = local_tensor(p.detach())
+        state = optimizer.state.get(p) if optimizer is not None else None
+        for key, v in (state or {}).items():
+            if _routed_entry(p, v):
+                state_name = f"{name}.{key}"
+                specs.append(StateSpec(state_name, tuple(v.shape), dtype_name(v)))
+                shardings.append(sh)
+                param_of[state_name] = (name, key)
+                sources[state_name] = local_tensor(v)
+            else:
+                scalars.setdefault(name, {})[key] = v.clone() if isinstance(v, torch.Tensor) else v
+    buffers = {name: b for name, b in module.named_buffers()}
+    return Captured(tuple(specs), tuple(shardings), param_of, sources, scalars, buffers)
+
+
+def target_shardings(module: nn.Module, root: DeviceMesh, captured: Captured) -> tuple[Sharding, ...]:
+    """Per captured state, its sharding in ``module`` (the same model parallelised for another layout)."""
+    params = dict(module.named_parameters())
+    shapes = {s.name: s.shape for s in captured.specs}
+    out = []
+    for spec in captured.specs:
+        pname, _ = captured.param_of[spec.name]
+        p = params.get(pname)
+        if p is None:
+            raise ValueError(f"the target model has no parameter {pname!r}: its parallelisation must keep every "
+                             "parameter and its name for every layout")
+        if tuple(p.shape) != shapes[pname]:
+            raise ValueError(f"parameter {pname!r} has shape {tuple(p.shape)} in the target model, "
+                             f"{shapes[pname]} now")
+        out.append(sharding_of(p, root))
+    if len(params) != sum(1 for v in captured.param_of.values() if v[1] is None):
+        extra = sorted(set(params) - {v[0] for v in captured.param_of.values()})
+        raise ValueError(f"the target model has parameters the running one lacks: {extra[:5]}")
+    return tuple(out)

@@ -1,0 +1,70 @@
+"""The user's own parallelisation, run again for a target layout on the meta device.
+
+Lightning asks `configure_model()` to be idempotent, so it cannot be called again on the live, parallelised
+module. Instead the strategy keeps a *template*: the LightningModule as it was before `configure_model()` ran,
+with every parameter and buffer on the meta device (no memory). A target is a copy of the template whose
+`device_mesh` is the target mesh, on which `configure_model()` (or the strategy's own parallelisation) runs as it
+did at start-up; DTensor then records the target placements, which the switch plans from. After the transfer,
+the copy's parameter-holding children replace the live module's (`transplant`): the LightningModule object, its
+hooks, metrics and attributes stay those Lightning knows.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def meta_copy(module: nn.Module, keep: tuple = ()) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are meta tensors; objects in ``keep`` (the trainer)
+    are shared, not copied."""
+    memo: dict[int, object] = {id(obj): obj for obj in keep if obj is not None}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+class ModuleTemplate:
+    """The LightningModule before `configure_model()`, on meta; `build` makes a target copy of it."""
+
+    def __init__(self, module: nn.Module, keep: tuple = ()) -> None:
+        self.keep = keep
+        self.source = module
+        self.template = meta_copy(module, keep)
+
+    def build(self, mesh, parallelize: Callable[[nn.Module], None]) -> nn.Module:
+        """A copy parallelised on ``mesh`` by ``parallelize`` (on meta: nothing is allocated)."""
+        target = copy.deepcopy(self.template, {id(obj): obj for obj in self.keep if obj is not None})
+        if hasattr(self.source, "_trainer"):
+            target._trainer = self.source._trainer  # a LightningModule drops its trainer when it is copied
+        target._device_mesh = mesh
+        with torch.device("meta"):
+            parallelize(target)
+        return target
+
+
+def holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def release_children(live: nn.Module) -> list[str]:
+    """Drop the live module's parameter-holding children (the switch's engine holds their shards now)."""
+    names = [n for n, child in live.named_children() if holds_parameters(child)]
+    for n in names:
+        live._modules[n] = None
+    for n in list(live._parameters):
+        live._parameters[n] = None
+    return names
+
+
+def transplant(live: nn.Module, target: nn.Module, names: list[str]) -> None:
+    """Give ``live`` the target copy's children ``names`` (and its own parameters, if any)."""
+    for n in names:
+        live._modules[n] = target._modules.get(n)
+    for n, p in target._parameters.items():
+        live._parameters[n] = p

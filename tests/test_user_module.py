@@ -1,0 +1,88 @@
+"""A user's own LightningModule (tests/workers/user_model.py, nothing written for dynatrain) switches online."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from _launch import launch
+
+from dynatrain.strategies.capture import capture, check_switchable
+
+SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
+
+
+def _switches(layouts: list[str]) -> str:
+    return ";".join(f"{i + 1}:{layout}" for i, layout in enumerate(layouts))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("optimizer,build_in", [("adamw", "init"), ("sgd", "configure"), ("amsgrad", "init")])
+def test_a_user_module_switches_through_every_layout_and_trains_as_without_switches(tmp_path, optimizer, build_in):
+    common = ["--layout", "dp_shard=4", "--steps", "5", "--optimizer", optimizer, "--build-in", build_in]
+    static = launch("user_switch.py", 4, common, tmp_path / "static")
+    switched = launch("user_switch.py", 4, [*common, "--switches", _switches(SEQUENCE)], tmp_path / "switched")
+    for res, ref in zip(switched, static):
+        pairs = [(r["old_layout"], r["new_layout"]) for r in res["reports"]]
+        assert pairs == list(zip(["dp_shard=4", *SEQUENCE[:-1]], SEQUENCE))
+        assert all(r["verified"] is True for r in res["reports"])  # every state bitwise where it was
+        assert any(r["bytes_moved"] > 0 for r in res["reports"])
+        assert len(res["losses"]) == len(ref["losses"]) == 5
+        for a, b in zip(res["losses"], ref["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (res["losses"], ref["losses"])
+        # the buffer the loop changes, the LR schedule and the optimizer's kinds of state carried over
+        assert res["logit_scale"] == ref["logit_scale"] and res["lr"] == ref["lr"]
+        assert res["state_keys"] == ref["state_keys"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_factored_optimizer_is_refused_at_request_time_and_training_goes_on(tmp_path):
+    results = launch("user_switch.py", 2, ["--layout", "dp_shard=2", "--steps", "3", "--optimizer", "adafactor",
+                                            "--bad", "1:tp=2"], tmp_path)
+    for res in results:
+        assert res["reports"] == [] and res["layout"] == "dp_shard=2" and len(res["losses"]) == 3
+        assert len(res["errors"]) == 1 and "Adafactor keeps" in res["errors"][0]
+        assert res["untouched"] == [True]
+
+
+_ROOT = types.SimpleNamespace(mesh=torch.arange(1).view(1, 1, 1))
+
+
+@pytest.mark.parametrize("name,routed", [
+    ("adamw", {"exp_avg", "exp_avg_sq"}), ("sgd", {"momentum_buffer"}),
+    ("amsgrad", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}), ("rmsprop", {"square_avg", "momentum_buffer"}),
+    ("adagrad", {"sum"}),
+])
+def test_optimizer_tensors_of_the_parameters_shape_are_routed_and_scalars_kept(name, routed):
+    from workers.user_model import OPTIMIZERS, TinyLM
+
+    model = TinyLM(layers=1)
+    opt = OPTIMIZERS[name](model.parameters())
+    model(torch.randint(0, 256, (2, 8))).sum().backward()
+    opt.step()
+    check_switchable(model, [opt])
+    cap = capture(model, opt, _ROOT)
+    keys = {key for _, key in cap.param_of.values() if key is not None}
+    assert keys == routed
+    assert all(set(v) <= {"step"} for v in cap.scalars.values())
+    assert set(cap.buffers) == {"logit_scale", "positions_seen"}
+
+
+def test_tied_weights_a_factored_optimizer_and_a_sharded_lightning_module_are_refused():
+    from workers.user_model import OPTIMIZERS, TinyLM
+
+    model = TinyLM(layers=1)
+    model.head.weight = model.embed.weight
+    with pytest.raises(ValueError, match="tied"):
+        check_switchable(model, [])
+    model = TinyLM(layers=1)
+    opt = OPTIMIZERS["adafactor"](model.parameters())
+    model(torch.randint(0, 256, (2, 8))).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="Adafactor keeps a tensor of shape"):
+        check_switchable(model, [opt])
+    with pytest.raises(ValueError, match="returned 2 optimizers"):
+        check_switchable(TinyLM(layers=1), [opt, opt])
