@@ -96,6 +96,29 @@ def parallelize(model: TinyLM, tp_mesh, dp_mesh) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
+class RowScaled(torch.optim.Optimizer):
+    """SGD scaled by a per-row running mean of squared gradients: state of another shape than its parameter (as
+    a factored optimizer keeps), which a switch must refuse."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        with torch.no_grad():
+            self._update()
+
+    def _update(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.dim() == 2:
+                        self.state[p].setdefault("row", torch.zeros(p.shape[0])).add_(1.0)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
@@ -103,6 +126,7 @@ OPTIMIZERS = {
     "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
     "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05),
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),  # factored state: cannot be switched
+    "rowscaled": RowScaled,
 }
 
 
