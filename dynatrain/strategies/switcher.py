@@ -210,7 +210,8 @@ class Switcher:
         cap = strategy.elastic.config.max_devices
         if cap is not None and target.world_size > cap:
             raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
-        if not isinstance(getattr(strategy.lightning_module, "model", None), Transformer):
+        module = getattr(strategy, "lightning_module", None)
+        if module is not None and not isinstance(getattr(module, "model", None), Transformer):
             raise ValueError(
                 f"{target.short()} changes the number of processes, which works so far for LightningModules that "
                 "hold a dynatrain Transformer as `model`; any module can switch layouts within its processes"
@@ -220,6 +221,8 @@ class Switcher:
         """Refuse now what the switch could not carry: the module's states, and its parallelisation for ``target``
         (run on meta; the result is kept for the switch)."""
         strategy = self.strategy
+        if getattr(strategy, "lightning_module", None) is None:
+            return  # nothing set up yet: the module is checked when the switch runs
         check_switchable(strategy.lightning_module, strategy.optimizers)
         captured = capture(strategy.lightning_module, self._optimizer(), strategy.device_mesh)
         _, probe = self._target_layout(target, captured)
