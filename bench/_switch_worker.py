@@ -27,7 +27,30 @@ from dynatrain.engine.transition import torch_dtype
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.strategies.switch import ADAM_MOMENTS, collect_sources, state_specs
+from dynatrain.models.specs import rule_for_param
+from dynatrain.strategies.capture import local_tensor
+from dynatrain.vps.layout import StateSpec
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def state_specs(model, opt) -> tuple[StateSpec, ...]:
+    """The Transformer's weights and Adam moments with the zoo's analytic rules (names relative to the model)."""
+    out = []
+    for name, p in model.named_parameters():
+        rule = rule_for_param(name, tuple(p.shape))
+        for suffix in ("", *(f".{m}" for m in ADAM_MOMENTS)):
+            out.append(StateSpec(name + suffix, tuple(p.shape), str(p.dtype).removeprefix("torch."), rule.tp_dim))
+    return tuple(out)
+
+
+def collect_sources(model, opt) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = local_tensor(p.detach())
+        for m in ADAM_MOMENTS:
+            out[f"{name}.{m}"] = local_tensor(opt.state[p][m])
+    return out
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 

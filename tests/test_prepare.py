@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from dynatrain.models.configs import get_model_config
-from dynatrain.models.llama import Transformer
 from dynatrain.strategies.prepare import (
     INTENT_KEY,
     Background,
@@ -18,8 +17,9 @@ from dynatrain.strategies.prepare import (
     plan_world_change,
     target_order,
 )
-from dynatrain.strategies.switch import state_specs
+from dynatrain.models.specs import model_states
 from dynatrain.vps.parallel_config import ParallelConfig
+from dynatrain.vps.rules import rule_sharding
 
 MEMBERS = ["000000-000000", "000000-000001"]
 
@@ -40,13 +40,14 @@ class DictStore:
 
 @pytest.fixture(scope="module")
 def specs():
-    with torch.device("meta"):
-        return state_specs(Transformer(get_model_config("debug").with_overrides(n_layers=2)), None)
+    return model_states(get_model_config("debug").with_overrides(n_layers=2), "fp32")
 
 
 def inputs(specs, joiners, members=MEMBERS, target="dp_shard=4", leave=(), budget=64 << 20):
-    return ChangeInputs.build(specs, ParallelConfig.parse("dp_shard=2"), [0, 1], members,
-                              ParallelConfig.parse(target), leave, joiners, "optimal", budget)
+    old, new = ParallelConfig.parse("dp_shard=2"), ParallelConfig.parse(target)
+    return ChangeInputs.build(specs, [rule_sharding(s.rule, old) for s in specs],
+                              [rule_sharding(s.rule, new) for s in specs], old, [0, 1], members,
+                              new, leave, joiners, "optimal", budget)
 
 
 def test_target_order_follows_mesh_positions_unless_a_joiner_would_be_rank_zero():
@@ -88,21 +89,15 @@ def test_a_scale_in_and_out_prepared_together(specs):
     assert 1 not in wp.plan.new.rank_map  # the leaver gets no position
 
 
-def test_member_prep_plans_and_builds_the_skeleton_on_meta(specs):
-    cfg = get_model_config("debug").with_overrides(n_layers=2)
-    prep = MemberPrep(inputs(specs, None), cfg)
-    skeleton = prep.skeleton()
+def test_member_prep_plans_in_the_background(specs):
+    prep = MemberPrep(inputs(specs, None))
     assert prep.plan().plan.new.rank_map == plan_world_change(inputs(specs, None)).plan.new.rank_map
     assert prep.done()
-    assert all(p.is_meta for p in skeleton.parameters()) and skeleton.config == cfg
-    # Built on meta in the background thread while the training thread's default device stayed the CPU.
-    assert torch.empty(1).device.type == "cpu"
-    assert not any(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in skeleton.modules())  # not parallelised
 
 
 def test_a_joiner_plans_from_the_published_intent_and_uses_it_only_for_the_same_inputs(specs):
     store = DictStore()
-    prep = MemberPrep(inputs(specs, None), get_model_config("debug").with_overrides(n_layers=2))
+    prep = MemberPrep(inputs(specs, None))
     joiner = JoinerPrep(store)
     joiner.poll(0.0)
     assert joiner.prepared is None  # nothing published yet
@@ -124,7 +119,7 @@ def test_a_joiner_plans_from_the_published_intent_and_uses_it_only_for_the_same_
 
 def test_a_failed_background_plan_is_not_published_and_raises_where_the_switch_uses_it(specs):
     store = DictStore()
-    prep = MemberPrep(inputs(specs, None, budget=0), get_model_config("debug").with_overrides(n_layers=2))
+    prep = MemberPrep(inputs(specs, None, budget=0))
     with pytest.raises(ValueError, match="budget_bytes must be a positive integer"):
         prep.plan()
     prep.publish(store)

@@ -31,3 +31,16 @@ def test_strategy_rejects_bad_layout_early():
         DynaTrainStrategy(parallel="dp=2")
     with pytest.raises(ValueError, match="param_dtype"):
         DynaTrainStrategy(param_dtype="int8")
+
+
+def test_the_pure_layers_import_without_lightning_and_lightning_imported_later_still_gets_the_strategy():
+    code = (
+        "import sys, dynatrain.planner, dynatrain.vps\n"
+        "assert 'lightning' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)[:20]\n"
+        "import lightning.pytorch as pl\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert StrategyRegistry['dynatrain']['strategy'] is dynatrain.DynaTrainStrategy\n"
+        "t = pl.Trainer(strategy='dynatrain', accelerator='cpu', devices=1, logger=False)\n"
+        "assert type(t.strategy).__name__ == 'DynaTrainStrategy'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from _launch import launch
+from _launch import launch, launch_elastic
 
 from dynatrain.strategies.capture import capture, check_switchable
 
@@ -35,6 +35,29 @@ def test_a_user_module_switches_through_every_layout_and_trains_as_without_switc
         # the buffer the loop changes, the LR schedule and the optimizer's kinds of state carried over
         assert res["logit_scale"] == ref["logit_scale"] and res["lr"] == ref["lr"]
         assert res["state_keys"] == ref["state_keys"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_user_module_scales_in_and_out_with_a_joining_process(tmp_path):
+    """4 -> 3 -> 4 processes: one leaves with its shards sent, then a new process joins and receives its own, its
+    module parallelised by its own configure_model(); every switch bitwise, losses as a fixed 4-process run."""
+    common = ["--layout", "dp_shard=4", "--steps", "6", "--user-model", "adamw"]
+    [static, *_] = launch("elastic.py", 4, [*common, "--static"], tmp_path / "static")
+    members, joiners = launch_elastic("elastic.py", 4, [*common, "--switches", "2:dp_shard=3;4:dp_shard=2,tp=2"],
+                                      tmp_path / "elastic", joiners=[[]], timeout=420)
+    assert members[3]["left"]
+    survivors = [*members[:3], *joiners]
+    assert sorted(p["global_rank"] for p in survivors) == [0, 1, 2, 3]
+    for p in survivors:
+        assert p["layout"] == "dp_shard=2,tp=2" and p["world_size"] == 4 and p["global_step"] == 6, p
+        assert all(r["verified"] for r in p["reports"])
+        assert p["logit_scale"] == static["logit_scale"]
+    assert [r["world_size"] for r in members[0]["reports"]] == [3, 4]
+    losses, ref = members[0]["losses"], static["losses"]
+    assert len(losses) == len(ref) == 6
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), (losses, ref)
+    assert abs(joiners[0]["losses"][-1] - ref[-1]) <= 1e-5 * abs(ref[-1])
 
 
 @pytest.mark.multiprocess

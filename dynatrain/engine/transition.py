@@ -42,7 +42,7 @@ ALIGN = 16  # bytes: every message slot of the staging buffer starts at a multip
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
+    "uint8": torch.uint8, "bool": torch.bool, "complex64": torch.complex64,
 }
 
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
 
 from dynatrain.models.parallelize import allocate_model
-from dynatrain.strategies.switch import local_tensor
+from dynatrain.strategies.capture import local_tensor
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -24,7 +24,7 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -
 
 def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A fresh model and optimizer on the strategy's current (new) mesh, filled from the checkpoint at path."""
-    model = strategy.meta_model(module.model.config)
+    model = strategy.build_target(strategy.device_mesh, strategy.parallel_config).model
     allocate_model(model, strategy.root_device)
     live = strategy.optimizers[0]
     groups = []

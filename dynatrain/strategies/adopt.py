@@ -8,17 +8,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dynatrain.strategies.capture import local_tensor
+from dynatrain.strategies.capture import BUFFER, local_tensor
 
 
-def fill_target(target: nn.Module, names: list[str], dst: dict[str, torch.Tensor],
-                buffers: Mapping[str, torch.Tensor], device: torch.device) -> None:
-    """Allocate the target's children ``names`` on ``device``, copy each parameter's moved shard in (freeing it as
-    soon as it is copied) and each buffer's old value."""
+def fill_target(target: nn.Module, names: list[str], dst: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Allocate the target's children ``names`` on ``device`` and copy each parameter's and buffer's moved
+    tensor in, freeing it as soon as it is copied."""
     for n in names:
         child = target._modules[n]
         if child is not None:
             child.to_empty(device=device)
+    for n, p in list(target._parameters.items()):
+        if p is not None and p.is_meta:  # a parameter the LightningModule holds itself
+            target._parameters[n] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
     with torch.no_grad():
         for name, p in target.named_parameters():
             new = dst.pop(name)
@@ -28,10 +30,7 @@ def fill_target(target: nn.Module, names: list[str], dst: dict[str, torch.Tensor
             local.copy_(new)
             del new
         for name, b in target.named_buffers():
-            old = buffers.get(name)
-            if old is None:
-                raise RuntimeError(f"buffer {name!r} of the target model does not exist in the running one")
-            b.copy_(old)
+            b.copy_(dst.pop(name).reshape(b.shape))
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: dict[str, torch.Tensor],
@@ -42,7 +41,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: 
     params = dict(module.named_parameters())
     entries: dict[str, dict] = {}
     for state_name, (pname, key) in param_of.items():
-        if key is None:
+        if key is None or key == BUFFER:
             continue
         p, local = params[pname], dst.pop(state_name)
         if isinstance(p, DTensor):

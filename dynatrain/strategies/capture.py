@@ -4,8 +4,11 @@ Every parameter is a state under its fully qualified name; every optimizer tenso
 state ``<param>.<key>`` split like the parameter (AdamW's moments, amsgrad's ``max_exp_avg_sq``, SGD's
 ``momentum_buffer``, RMSprop's ``square_avg``, Adagrad's ``sum``); 0-d entries and plain numbers (``step``) are
 equal on every rank and kept, not routed. Buffers are whole on every rank (FSDP2 and TP never split them) and are
-copied locally. Whatever else an optimizer keeps (a factored second moment, say) has no box in the parameter's
+routed whole. Whatever else an optimizer keeps (a factored second moment, say) has no box in the parameter's
 space: `check_switchable` refuses it when the switch is requested, before anything moves.
+
+Buffers are states too, whole on every position (FSDP2 and TP never split them; a 0-d buffer travels as one
+element): a process keeps its own values through a switch and a joining process receives a member's.
 """
 
 from __future__ import annotations
@@ -90,16 +93,18 @@ def sharding_of(t: torch.Tensor, root: DeviceMesh) -> Sharding:
     return Sharding(shape, tuple(placements), tuple(runs))
 
 
+BUFFER = "#buffer"  # the key a buffer has in `Captured.param_of`
+
+
 @dataclass
 class Captured:
     """The routed states of a module and optimizer, with what is kept beside them."""
 
     specs: tuple[StateSpec, ...]
     shardings: tuple[Sharding, ...]
-    param_of: dict[str, tuple[str, str | None]]  # state -> (parameter, optimizer key or None for the weight)
+    param_of: dict[str, tuple[str, str | None]]  # state -> (owner, optimizer key; None: the weight; BUFFER)
     sources: dict[str, torch.Tensor]  # this rank's local tensors
     scalars: dict[str, dict]  # parameter -> optimizer entries that are not routed
-    buffers: dict[str, torch.Tensor]
 
     def fingerprint(self) -> int:
         """A number equal on every rank when every rank captured the same specs (all-reduced before planning)."""
@@ -145,6 +150,9 @@ def check_switchable(module: nn.Module, optimizers) -> None:
         if isinstance(b, DTensor):
             raise ValueError(f"buffer {name!r} is a DTensor: a switch copies buffers whole; keep buffers plain "
                              "tensors (FSDP2 and TP leave them so)")
+        if dtype_name(b) not in DTYPE_ITEMSIZE:
+            raise ValueError(f"buffer {name!r} has dtype {b.dtype}, which a switch cannot move; known: "
+                             f"{', '.join(DTYPE_ITEMSIZE)}")
     if len(optimizers) > 1:
         raise ValueError(f"configure_optimizers() returned {len(optimizers)} optimizers: a switch carries one")
     names = {id(p): n for n, p in module.named_parameters()}
@@ -185,17 +193,29 @@ def capture(module: nn.Module, optimizer, root: DeviceMesh) -> Captured:
                 sources[state_name] = local_tensor(v)
             else:
                 scalars.setdefault(name, {})[key] = v.clone() if isinstance(v, torch.Tensor) else v
-    buffers = {name: b for name, b in module.named_buffers()}
-    return Captured(tuple(specs), tuple(shardings), param_of, sources, scalars, buffers)
+    for name, b in module.named_buffers():
+        whole = b.detach().reshape(1) if b.dim() == 0 else b.detach()
+        specs.append(StateSpec(name, tuple(whole.shape), dtype_name(b)))
+        shardings.append(Sharding.replicated(tuple(root.mesh.shape)))
+        param_of[name] = (name, BUFFER)
+        sources[name] = whole
+    return Captured(tuple(specs), tuple(shardings), param_of, sources, scalars)
 
 
 def target_shardings(module: nn.Module, root: DeviceMesh, captured: Captured) -> tuple[Sharding, ...]:
     """Per captured state, its sharding in ``module`` (the same model parallelised for another layout)."""
     params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
     shapes = {s.name: s.shape for s in captured.specs}
     out = []
     for spec in captured.specs:
-        pname, _ = captured.param_of[spec.name]
+        pname, key = captured.param_of[spec.name]
+        if key == BUFFER:
+            if pname not in buffers:
+                raise ValueError(f"the target model has no buffer {pname!r}: its parallelisation must keep every "
+                                 "buffer for every layout")
+            out.append(Sharding.replicated(tuple(root.mesh.shape)))
+            continue
         p = params.get(pname)
         if p is None:
             raise ValueError(f"the target model has no parameter {pname!r}: its parallelisation must keep every "

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.constants import default_pg_timeout
@@ -233,20 +233,6 @@ class DynaTrainStrategy(ModelParallelStrategy):
             sequence_parallel=self.sequence_parallel,
         )
 
-    def meta_model(
-        self, config, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None,
-        skeleton: Transformer | None = None,
-    ) -> Transformer:
-        """A dynatrain Transformer on the meta device, parallelised for a layout and in the run's precision.
-        ``skeleton``: that model already built on meta and not yet parallelised (prepared in the background)."""
-        if skeleton is not None and skeleton.config == config:
-            model = skeleton
-        else:
-            with torch.device("meta"):
-                model = Transformer(config)
-        self.parallelize(model, mesh, pcfg)
-        return self.precision_plugin.convert_module(model)
-
     @contextmanager
     def model_sharded_context(self):
         # Entered right before Lightning calls configure_model(): the module as the user built it is the template
@@ -287,13 +273,15 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self._keep_template()
         if not is_overridden("configure_model", self.lightning_module):
             self._parallelize_children()
-        for module in self.model.modules():
-            if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
-                self.materialize(module)
-        # A model the user built on meta: initialised by its reset_parameters(), as ModelParallelStrategy does.
-        _materialize_distributed_module(self.model, self.root_device)
-        if self._switcher is not None:
-            self._switcher.receive_joined()  # the members wait in the transfer, whatever this module holds
+        joining = self._switcher is not None and self._switcher.joined is not None
+        if joining:
+            self._switcher.adopt_joined_module()  # the members wait in the transfer, whatever this module holds
+        else:
+            for module in self.model.modules():
+                if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
+                    materialize_model(module, self.root_device)
+            # A model the user built on meta: initialised by its reset_parameters(), as ModelParallelStrategy does.
+            _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -301,10 +289,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self._install_switcher(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if self._switcher.joined is not None:
-                for module in self.model.modules():
-                    if isinstance(module, Transformer):
-                        self._switcher.adopt_joined_optimizer(module)
+            if joining:
+                self._switcher.adopt_joined_optimizer()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -335,13 +321,11 @@ class DynaTrainStrategy(ModelParallelStrategy):
             self._switcher.attach(trainer)
 
     def materialize(self, model: Transformer) -> None:
-        """Give a meta-device Transformer its storage: initialised weights, or a joiner's received shards."""
-        if self._target is not None:
-            return  # a target layout stays on meta: the switch fills it
-        if self._switcher is not None and self._switcher.joined is not None:
-            self._switcher.adopt_joined_weights(model)
-        else:
-            materialize_model(model, self.root_device)
+        """Give a meta-device Transformer its initialised weights. A target layout being built, or a joining
+        process, keeps it on meta: the switch fills it with the moved shards."""
+        if self._target is not None or (self._switcher is not None and self._switcher.joined is not None):
+            return
+        materialize_model(model, self.root_device)
 
     def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = ()) -> ParallelConfig:
         """Switch to ``target`` at the next optimizer-step boundary (now, if training is at one).
@@ -398,3 +382,9 @@ class DynaTrainStrategy(ModelParallelStrategy):
         """Move model and optimizer state to the layout ``target`` now. Only at an optimizer-step boundary;
         every rank calls it with the same arguments. Returns a `SwitchReport`."""
         return self._switcher.switch(target, rank_map=rank_map, budget_mb=budget_mb)
+
+
+if "dynatrain" not in StrategyRegistry:
+    # Importing the strategy makes strategy="dynatrain" work (see `dynatrain.registration`).
+    StrategyRegistry.register("dynatrain", DynaTrainStrategy,
+                              description="FSDP2 + tensor parallelism with online layout switching")

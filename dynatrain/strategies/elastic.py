@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from dynatrain.vps.layout import StateSpec
+from dynatrain.vps.placement import Replicate, Shard, Sharding, StridedShard
 
 if TYPE_CHECKING:
     from dynatrain.strategies.dynatrain import DynaTrainStrategy
@@ -123,13 +124,27 @@ def take_over_logging(trainer: pl.Trainer | None) -> None:
 
 
 # ---- what a joiner receives -----------------------------------------------------------------------------------
-def encode_specs(specs: tuple[StateSpec, ...]) -> list:
-    return [[s.name, list(s.shape), s.dtype, s.tp_dim, list(s.fused) if s.fused else None] for s in specs]
+def _encode_sharding(sh: Sharding) -> list:
+    kinds = [["R"] if isinstance(p, Replicate) else ["S", p.dim] if isinstance(p, Shard) else
+             ["SS", p.dim, p.split_factor] for p in sh.placements]
+    return [list(sh.mesh_shape), kinds, [list(run) for run in sh.dims]]
 
 
-def decode_specs(rows: list) -> tuple[StateSpec, ...]:
-    return tuple(StateSpec(n, tuple(shape), dtype, tp_dim, tuple(fused) if fused else None)
-                 for n, shape, dtype, tp_dim, fused in rows)
+def _decode_sharding(row: list) -> Sharding:
+    mesh, kinds, dims = row
+    make = {"R": lambda: Replicate(), "S": lambda d: Shard(d), "SS": lambda d, f: StridedShard(d, f)}
+    return Sharding(tuple(mesh), tuple(make[k[0]](*k[1:]) for k in kinds), tuple(tuple(r) for r in dims))
+
+
+def encode_specs(specs, old_shardings, new_shardings) -> list:
+    """The states of a world change with their old and new placements, as JSON for a joiner."""
+    return [[s.name, list(s.shape), s.dtype, _encode_sharding(a), _encode_sharding(b)]
+            for s, a, b in zip(specs, old_shardings, new_shardings)]
+
+
+def decode_specs(rows: list) -> tuple[tuple[StateSpec, ...], tuple[Sharding, ...], tuple[Sharding, ...]]:
+    specs = tuple(StateSpec(n, tuple(shape), dtype) for n, shape, dtype, _, _ in rows)
+    return (specs, tuple(_decode_sharding(r[3]) for r in rows), tuple(_decode_sharding(r[4]) for r in rows))
 
 
 def encode_scalars(scalars: dict[str, dict]) -> dict:
@@ -192,5 +207,7 @@ class JoinState:
     old_layout: Any
     new_layout: Any
     process: int
+    param_of: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    order: dict[str, list[str]] = field(default_factory=dict)
     receive: Callable[[], dict[str, torch.Tensor]] | None = None  # a transfer deferred to Lightning's set-up
     report: dict = field(default_factory=dict)

@@ -25,13 +25,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
-import torch
-
-from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
 from dynatrain.strategies.elastic import decode_specs, encode_specs
 from dynatrain.vps.layout import Layout, StateSpec
+from dynatrain.vps.placement import Sharding
 from dynatrain.vps.parallel_config import ParallelConfig
 
 INTENT_KEY = "elastic/intent"  # rank 0's prepared plan inputs, read by waiting joiners
@@ -71,6 +69,8 @@ class ChangeInputs:
     joiners); ``union`` names them and takes no part in comparisons."""
 
     specs: tuple[StateSpec, ...]
+    old_shardings: tuple[Sharding, ...]
+    new_shardings: tuple[Sharding, ...]
     old: ParallelConfig
     old_ids: tuple[int, ...]
     target: ParallelConfig
@@ -81,7 +81,7 @@ class ChangeInputs:
     union: tuple[str, ...] = field(compare=False)
 
     @classmethod
-    def build(cls, specs, old: ParallelConfig, positions: Sequence[int], members: Sequence[str],
+    def build(cls, specs, old_shardings, new_shardings, old: ParallelConfig, positions: Sequence[int], members: Sequence[str],
               target: ParallelConfig, leave: Sequence[int], joiners: Sequence[str] | None, rank_map, budget: int
               ) -> "ChangeInputs":
         """From the current world: ``positions`` (old mesh position -> rank), ``leave`` as current ranks,
@@ -92,7 +92,8 @@ class ChangeInputs:
         union = tuple(sorted(set(members) | set(joiners)))
         uid = {m: i for i, m in enumerate(union)}
         rank_map = rank_map if isinstance(rank_map, str) else tuple(rank_map)
-        return cls(tuple(specs), old, tuple(uid[members[p]] for p in positions), target,
+        return cls(tuple(specs), tuple(old_shardings), tuple(new_shardings), old,
+                   tuple(uid[members[p]] for p in positions), target,
                    tuple(uid[members[r]] for r in leave), tuple(uid[j] for j in joiners), rank_map, int(budget),
                    union)
 
@@ -118,16 +119,17 @@ class WorldPlan:
         i = self.inputs
         return {"old": i.old.short(), "old_ids": list(i.old_ids), "target": i.target.short(),
                 "positions": list(self.plan.new.rank_map), "leave": list(i.leave), "joiners": list(i.joiners),
-                "budget": i.budget, "specs": encode_specs(i.specs)}
+                "budget": i.budget, "specs": encode_specs(i.specs, i.old_shardings, i.new_shardings)}
 
 
 def plan_world_change(inputs: ChangeInputs) -> WorldPlan:
-    old_layout = Layout.from_config(inputs.specs, inputs.old, rank_map=list(inputs.old_ids))
+    old_layout = Layout.from_shardings(inputs.specs, inputs.old_shardings, inputs.old, rank_map=list(inputs.old_ids))
+    new_layout = Layout.from_shardings(inputs.specs, inputs.new_shardings, inputs.target)
     rank_map = inputs.rank_map if isinstance(inputs.rank_map, str) else list(inputs.rank_map)
     members = inputs.member_ids
 
     def plan_with(order):
-        return plan_switch(old_layout, inputs.target, leave=inputs.leave, joiners=inputs.joiners,
+        return plan_switch(old_layout, new_layout, leave=inputs.leave, joiners=inputs.joiners,
                            rank_map=rank_map if order is None else order, budget_bytes=inputs.budget)
 
     plan, _ = plan_mesh_safe(plan_with, lambda plan: target_order(plan, members)[1], inputs.target)
@@ -136,9 +138,11 @@ def plan_world_change(inputs: ChangeInputs) -> WorldPlan:
 
 def plan_from_payload(payload: dict) -> tuple[SwitchPlan, Layout]:
     """A joiner's side of the plan, from the switch payload (or an intent with the same fields)."""
-    specs = decode_specs(payload["specs"])
-    old_layout = Layout.from_config(specs, ParallelConfig.parse(payload["old"]), rank_map=payload["old_ids"])
-    plan = plan_switch(old_layout, ParallelConfig.parse(payload["target"]), leave=payload["leave"],
+    specs, old_shardings, new_shardings = decode_specs(payload["specs"])
+    old_layout = Layout.from_shardings(specs, old_shardings, ParallelConfig.parse(payload["old"]),
+                                       rank_map=payload["old_ids"])
+    new_layout = Layout.from_shardings(specs, new_shardings, ParallelConfig.parse(payload["target"]))
+    plan = plan_switch(old_layout, new_layout, leave=payload["leave"],
                        joiners=payload["joiners"], rank_map=payload["positions"], budget_bytes=payload["budget"])
     return plan, old_layout
 
@@ -169,28 +173,19 @@ class Background:
         return self._value
 
 
-def _skeleton(config) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(config)
-
-
 class MemberPrep:
-    """A member's preparation of one world change: the plan and the target skeleton, each on its own thread."""
+    """A member's preparation of one world change: the plan, on its own thread."""
 
-    def __init__(self, inputs: ChangeInputs, model_config) -> None:
+    def __init__(self, inputs: ChangeInputs) -> None:
         self.inputs = inputs
         self.published = False
         self._plan = Background(inputs, lambda: plan_world_change(inputs), "dynatrain-plan-next-world")
-        self._skeleton = Background(model_config, lambda: _skeleton(model_config), "dynatrain-build-next-model")
 
     def done(self) -> bool:
         return self._plan.done()
 
     def plan(self) -> WorldPlan:
         return self._plan.result()
-
-    def skeleton(self) -> Transformer:
-        return self._skeleton.result()
 
     def publish(self, store) -> None:
         """Rank 0, on the training thread (a store connection is not shared across threads), once planned."""

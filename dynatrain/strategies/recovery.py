@@ -15,6 +15,7 @@ resumes from its latest committed snapshot.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,7 +28,8 @@ from dynatrain.memory import release_freed_memory
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.elastic import forget_old_meshes, set_world
 from dynatrain.strategies.prepare import plan_mesh_safe
-from dynatrain.strategies.switch import PhaseTimer, collect_sources, state_specs
+from dynatrain.strategies.capture import capture
+from dynatrain.strategies.switch import PhaseTimer
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -128,15 +130,16 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     # Keep the local shards as plain tensors and drop everything that references the broken groups: a gloo
     # group's connections close only when its last reference goes, and a survivor still blocked in a
     # collective with this process fails at once then, instead of at the group's timeout.
-    model, optimizer = switcher._current()
-    _reshard(model)
-    specs = state_specs(model, optimizer)
-    src = collect_sources(model, optimizer)
-    kept = switcher._keep(model, optimizer)
-    config = model.config
-    switcher._release(model, optimizer)
-    del model, optimizer
-    module = strategy.lightning_module
+    module, optimizer = strategy.lightning_module, switcher._optimizer()
+    _reshard(module)
+    captured = capture(module, optimizer, strategy.device_mesh)
+    src = captured.sources
+    kept = switcher._keep_states(captured, optimizer)
+    names = switcher._release_module(module, optimizer)
+    switcher.released = True
+    switcher._probes.clear()  # meta builds on the old meshes
+    del optimizer
+    gc.collect()
     _drop_groups([*strategy._meshes.values(), strategy._device_mesh])
     strategy._meshes.clear()
     strategy._device_mesh = module._device_mesh = None
@@ -158,28 +161,29 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
         raise stop(f"the survivors stopped at different optimizer steps {steps}")
 
     lost_ranks = [members.index(m) for m in lost]
-    old_layout = Layout.from_config(specs, old_cfg, rank_map=strategy.positions)
+    old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=strategy.positions)
     new_members = sorted(survivors)
     rank_of = {members.index(m): new_members.index(m) for m in new_members}  # plan id (old rank) -> new rank
+    world = manager.reform(new_members)
+    set_world(strategy, world.rank, world.world_size)
     try:
         target = survivors_target(switcher, len(survivors))
+        target_layout, _ = switcher._target_layout(target, captured, probe=True)
         plan, target_ranks = plan_mesh_safe(
-            lambda order: plan_switch(old_layout, target, lost=lost_ranks, rank_map=order or strategy.rank_map,
-                                      budget_bytes=strategy.switch_budget_bytes),
+            lambda order: plan_switch(old_layout, target_layout, lost=lost_ranks,
+                                      rank_map=order or strategy.rank_map, budget_bytes=strategy.switch_budget_bytes),
             lambda plan: [rank_of[p] for p in plan.new.rank_map], target)
     except ValueError as e:
         raise stop(str(e)) from None
     me = members.index(manager.member_id)
+    del captured
     timer.lap("plan")
 
-    world = manager.reform(new_members)
     dst, _ = run_transition(plan, me, src, group_ranks=rank_of, device=strategy.root_device)
     del src
     timer.lap("transfer")
-    set_world(strategy, world.rank, world.world_size)
     new_mesh = strategy._build_mesh(target, ranks=target_ranks)
-    new_model = strategy.meta_model(config, new_mesh, target)
-    switcher._adopt(new_model, new_mesh, target, target_ranks, dst, kept)
+    switcher._adopt_module(strategy.build_target(new_mesh, target), names, new_mesh, target, target_ranks, dst, kept)
     timer.lap("adopt")
     release_freed_memory()
     report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),

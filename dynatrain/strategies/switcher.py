@@ -23,8 +23,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from dynatrain.engine.transition import run_transition, validate_sources
 from dynatrain.engine.verify import SwitchVerificationError, compare, differing, local_checksums, reduce_sums
 from dynatrain.memory import release_freed_memory
-from dynatrain.models.llama import Transformer
-from dynatrain.models.parallelize import allocate_model
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.elastic import (
     JoinState,
@@ -45,17 +43,10 @@ from dynatrain.strategies.prepare import (
 )
 from dynatrain.strategies.adopt import fill_target, restore_optimizer
 from dynatrain.strategies.capture import capture, check_switchable, target_shardings
+from dynatrain.strategies.probe import probe_mesh
 from dynatrain.strategies.recovery import is_peer_loss, recover
 from dynatrain.strategies.target import release_children, transplant
-from dynatrain.strategies.switch import (
-    PhaseTimer,
-    SwitchReport,
-    adopt_weights,
-    collect_sources,
-    install_optimizer_state,
-    scalar_states,
-    state_specs,
-)
+from dynatrain.strategies.switch import PhaseTimer, SwitchReport
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -210,14 +201,8 @@ class Switcher:
         cap = strategy.elastic.config.max_devices
         if cap is not None and target.world_size > cap:
             raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
-        module = getattr(strategy, "lightning_module", None)
-        if module is not None and not isinstance(getattr(module, "model", None), Transformer):
-            raise ValueError(
-                f"{target.short()} changes the number of processes, which works so far for LightningModules that "
-                "hold a dynatrain Transformer as `model`; any module can switch layouts within its processes"
-            )
 
-    def _check_module(self, target: ParallelConfig) -> None:
+    def _check_module(self, target: ParallelConfig, probe: bool = False) -> None:
         """Refuse now what the switch could not carry: the module's states, and its parallelisation for ``target``
         (run on meta; the result is kept for the switch)."""
         strategy = self.strategy
@@ -225,17 +210,16 @@ class Switcher:
             return  # nothing set up yet: the module is checked when the switch runs
         check_switchable(strategy.lightning_module, strategy.optimizers)
         captured = capture(strategy.lightning_module, self._optimizer(), strategy.device_mesh)
-        _, probe = self._target_layout(target, captured)
-        if probe is not None:
-            self._probes[target] = probe
+        _, built = self._target_layout(target, captured, probe=probe)
+        if built is not None:
+            self._probes[target] = built
 
     def request(self, target: str | ParallelConfig, leave=()) -> ParallelConfig:
         leave = tuple(sorted({int(r) for r in leave}))
         parsed = ParallelConfig.parse(target)
         self.check_world(parsed, leave)
         target = self.check(parsed, world_size=parsed.world_size)
-        if parsed.world_size == self.strategy.world_size and not leave:
-            self._check_module(target)
+        self._check_module(target, probe=parsed.world_size != self.strategy.world_size or bool(leave))
         self.pending = _Pending(target, leave, time.monotonic())
         self.prepared = None
         if self.trainer is None or not self.trainer.training:
@@ -314,19 +298,22 @@ class Switcher:
             self._prepare(p)
         return decision
 
-    def _change_inputs(self, target: ParallelConfig, leave, joiners: list[str] | None) -> ChangeInputs:
+    def _change_inputs(self, target: ParallelConfig, leave, joiners: list[str] | None, captured=None
+                       ) -> ChangeInputs:
         strategy = self.strategy
-        model, optimizer = self._current()
-        return ChangeInputs.build(state_specs(model, optimizer), strategy.parallel_config, strategy.positions,
-                                  strategy.elastic.world.members, target, leave, joiners, strategy.rank_map,
-                                  strategy.switch_budget_bytes)
+        if captured is None:
+            captured = capture(strategy.lightning_module, self._optimizer(), strategy.device_mesh)
+        target_layout, _ = self._target_layout(target, captured, probe=True)
+        return ChangeInputs.build(captured.specs, captured.shardings, target_layout.shardings,
+                                  strategy.parallel_config, strategy.positions, strategy.elastic.world.members, target,
+                                  leave, joiners, strategy.rank_map, strategy.switch_budget_bytes)
 
     def _prepare(self, p: "_Pending") -> None:
-        """While a scale-out waits for its joiners: plan it and build the target skeleton in the background,
-        for whichever joiners come (see `prepare`)."""
+        """While a scale-out waits for its joiners: plan it in the background, for whichever joiners come (see
+        `prepare`)."""
         inputs = self._change_inputs(p.target, p.leave, None)
         if self.prepared is None or self.prepared.inputs != inputs:
-            self.prepared = MemberPrep(inputs, self._current()[0].config)
+            self.prepared = MemberPrep(inputs)
 
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None,
@@ -361,7 +348,7 @@ class Switcher:
 
         old_sums = local_checksums(old_layout, rank, captured.sources) if strategy.verify_switches else None
         kept = self._keep_states(captured, optimizer)
-        src, buffers = captured.sources, captured.buffers
+        src = captured.sources
         names = self._release_module(module, optimizer)
         self.released = True
         del optimizer, captured
@@ -372,14 +359,7 @@ class Switcher:
         del src
         timer.lap("transfer")
 
-        fill_target(probe, names, dst, buffers, strategy.root_device)
-        del buffers
-        transplant(module, probe, names)
-        strategy._device_mesh = module._device_mesh = new_mesh
-        strategy.parallel_config, strategy.positions = target, positions
-        self._restore_optimizer(module, dst, kept)
-        self._move_data(target)
-        self.released = False
+        self._adopt_module(probe, names, new_mesh, target, positions, dst, kept)
         timer.lap("adopt")
 
         verified = None
@@ -406,17 +386,23 @@ class Switcher:
             raise ValueError("the ranks hold different sets of states (names, shapes, dtypes or placements): a "
                              "module or optimizer that differs between ranks cannot be switched")
 
-    def _target_layout(self, target: ParallelConfig, captured):
+    def _target_layout(self, target: ParallelConfig, captured, probe: bool = False):
         """The target layout of the captured states, from the module's parallelisation for ``target`` run on meta
-        (once per layout; the build on the default rank order is returned for reuse when the plan keeps it)."""
+        (once per layout). Within the world it runs on the target's real mesh in the default rank order, and that
+        build is returned for reuse when the plan keeps the order; for another world size (``probe``) on a mesh
+        of fake groups (`probe`)."""
         strategy = self.strategy
         shardings = self._target_shardings.get(target)
-        probe = self._probes.pop(target, None) if shardings is not None else None
+        built = self._probes.pop(target, None) if shardings is not None and not probe else None
         if shardings is None:
-            mesh = strategy._build_mesh(target)
             try:
-                probe = strategy.build_target(mesh, target)
-                per_param = target_shardings(probe, mesh, captured)
+                if probe:
+                    with probe_mesh(target, strategy.root_device.type) as mesh:
+                        per_param = target_shardings(strategy.build_target(mesh, target), mesh, captured)
+                else:
+                    mesh = strategy._build_mesh(target)
+                    built = strategy.build_target(mesh, target)
+                    per_param = target_shardings(built, mesh, captured)
             except ValueError:
                 raise
             except Exception as e:
@@ -427,8 +413,8 @@ class Switcher:
         try:
             per_state = [shardings[captured.param_of[s.name][0]] for s in captured.specs]
         except KeyError as e:
-            raise ValueError(f"parameter {e.args[0]!r} appeared after the target layout was built") from None
-        return Layout.from_shardings(captured.specs, per_state, target), probe
+            raise ValueError(f"state {e.args[0]!r} appeared after the target layout was built") from None
+        return Layout.from_shardings(captured.specs, per_state, target), built
 
     def _keep_states(self, captured, optimizer) -> dict:
         """What survives a switch besides the routed shards: scalars, hyper-parameters, schedules."""
@@ -479,36 +465,41 @@ class Switcher:
         timer = PhaseTimer()
         strategy = self.strategy
         manager = strategy.elastic
-        model, optimizer = self._current()
+        module, optimizer = strategy.lightning_module, self._optimizer()
         old_cfg = strategy.parallel_config
-        inputs = self._change_inputs(target, leave, joiners)
+        check_switchable(module, strategy.optimizers)
+        captured = capture(module, optimizer, strategy.device_mesh)
+        self._agree_on(captured)
+        inputs = self._change_inputs(target, leave, joiners, captured)
         prepared, self.prepared = self.prepared, None
         if prepared is not None and prepared.inputs == inputs:
-            world_plan, skeleton = prepared.plan(), prepared.skeleton()
+            world_plan = prepared.plan()
         else:
-            world_plan, skeleton, prepared = plan_world_change(inputs), None, None
+            world_plan, prepared = plan_world_change(inputs), None
         plan, old_layout = world_plan.plan, world_plan.old_layout
         target_members, target_ranks = world_plan.target_members(inputs.union), world_plan.target_ranks
         union = list(inputs.union)
         me = union.index(manager.member_id)
-        src = collect_sources(model, optimizer)
+        src = captured.sources
         validate_sources(plan, me, src)
         timer.lap("plan")
 
         old_totals = None
         if strategy.verify_switches:
             old_totals = reduce_sums(local_checksums(old_layout, me, src), strategy.root_device)
-        kept = self._keep(model, optimizer)
+        kept = self._keep_states(captured, optimizer)
         if joiners and strategy.global_rank == 0:
             manager.publish(manager.world.generation + 1, {
                 **world_plan.intent(), "target_ranks": target_ranks, "union": union,
-                "scalars": encode_scalars(kept["scalars"]), "groups": kept["groups"],
-                "checkpoint": loop_checkpoint(self.trainer), "old_totals": old_totals,
-                "loggers": logger_versions(self.trainer),
+                "scalars": encode_scalars(kept["scalars"]), "groups": kept["groups"], "order": kept["order"],
+                "param_of": kept["param_of"], "checkpoint": loop_checkpoint(self.trainer),
+                "old_totals": old_totals, "loggers": logger_versions(self.trainer),
             })
-        config = model.config
-        self._release(model, optimizer)
-        del model, optimizer
+        names = self._release_module(module, optimizer)
+        self.released = True
+        self._probes.clear()  # meta builds on this world's meshes
+        del optimizer, captured
+        gc.collect()
         timer.lap("release")
 
         moved: dict = {}
@@ -520,7 +511,7 @@ class Switcher:
             set_world(strategy, world.rank, world.world_size)
             strategy._meshes.clear()  # every group of the old generation is gone
             moved["mesh"] = mesh = strategy._build_mesh(target, ranks=target_ranks)
-            moved["model"] = strategy.meta_model(config, mesh, target, skeleton=skeleton)
+            moved["model"] = strategy.build_target(mesh, target)
 
         def transfer(world) -> None:
             if ahead:
@@ -540,12 +531,12 @@ class Switcher:
         if not ahead:
             build(world)
             timer.lap("build")
-        new_model, new_mesh = moved.pop("model"), moved.pop("mesh")
-        self._adopt(new_model, new_mesh, target, target_ranks, moved.pop("dst"), kept)
+        self._adopt_module(moved.pop("model"), names, moved.pop("mesh"), target, target_ranks, moved.pop("dst"), kept)
         timer.lap("adopt")
         verified = None
         if old_totals is not None:
-            new_totals = reduce_sums(local_checksums(plan.new, me, collect_sources(new_model, self._optimizer())),
+            new_totals = reduce_sums(local_checksums(plan.new, me, capture(module, self._optimizer(),
+                                                                           strategy.device_mesh).sources),
                                      strategy.root_device)
             verified = self._verified(differing(old_layout, old_totals, plan.new, new_totals), old_cfg, target)
             timer.lap("verify")
@@ -553,14 +544,27 @@ class Switcher:
         return self._report(plan, old_cfg, target, target_ranks, stats, verified, timer,
                             prepared=prepared is not None)
 
+    def _adopt_module(self, target_module, names, mesh, target: ParallelConfig, positions, dst, kept) -> None:
+        """The target copy filled with the moved states and put in place of the live module's children; the
+        optimizer, schedules and data then follow the new layout."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        fill_target(target_module, names, dst, strategy.root_device)
+        transplant(module, target_module, names)
+        strategy._device_mesh = module._device_mesh = mesh
+        strategy.parallel_config, strategy.positions = target, list(positions)
+        self._restore_optimizer(module, dst, kept)
+        self._move_data(target)
+        self.released = False
+
     # ---- a process joining a running job ------------------------------------------------------------------
     def join(self) -> None:
         """Register, wait for admission, receive this process's shards and enter the target world.
 
         Runs in `setup_environment`, before Lightning builds the model: the shards wait in `self.joined` for
-        `materialize`, the optimizer and Lightning's restore of the loop state. When nobody leaves, the transfer
-        runs on the target generation and waits for `materialize` instead: the joiner's Lightning set-up (data,
-        the model on meta) then overlaps the members' build of the same mesh and model.
+        the strategy's set-up, the optimizer and Lightning's restore of the loop state. When nobody leaves, the
+        transfer runs on the target generation and waits for the set-up instead: the joiner's Lightning set-up
+        (data, the module's own parallelisation) then overlaps the members' build of the same mesh and model.
         """
         strategy = self.strategy
         manager = strategy.elastic
@@ -590,6 +594,7 @@ class Switcher:
             scalars=decode_scalars(payload["scalars"], strategy.root_device),
             groups=payload["groups"], checkpoint=payload["checkpoint"], old_totals=payload["old_totals"],
             old_layout=old_layout, new_layout=plan.new, process=me,
+            param_of={k: (v[0], v[1]) for k, v in payload["param_of"].items()}, order=payload["order"],
         )
 
     def receive_joined(self) -> None:
@@ -599,22 +604,25 @@ class Switcher:
             receive, joined.receive = joined.receive, None
             joined.dst = receive()
 
-    def adopt_joined_weights(self, model: Transformer) -> None:
+    def adopt_joined_module(self) -> None:
+        """A joiner, after its module's own parallelisation for the target layout: the received shards in place."""
         self.receive_joined()
-        allocate_model(model, self.strategy.root_device)
-        adopt_weights(model, self.joined.dst)
+        module = self.strategy.lightning_module
+        names = [n for n, child in module.named_children() if next(child.parameters(), None) is not None]
+        fill_target(module, names, self.joined.dst, self.strategy.root_device)
 
-    def adopt_joined_optimizer(self, model: Transformer) -> None:
-        """After `setup_optimizers`: moments, step and hyper-parameters as the members had them; then verify."""
+    def adopt_joined_optimizer(self) -> None:
+        """After `setup_optimizers`: optimizer state and hyper-parameters as the members had them; then verify."""
         joined, strategy = self.joined, self.strategy
-        optimizer = self._optimizer()
+        module, optimizer = strategy.lightning_module, self._optimizer()
         if optimizer is not None:
             for group, old in zip(optimizer.param_groups, joined.groups):
                 group.update(old)
-            install_optimizer_state(model, optimizer, joined.dst, joined.scalars)
+            restore_optimizer(optimizer, module, joined.dst, joined.param_of, joined.scalars, joined.order)
         if joined.old_totals is not None:
             new_totals = reduce_sums(local_checksums(joined.new_layout, joined.process,
-                                                     collect_sources(model, optimizer)), strategy.root_device)
+                                                     capture(module, optimizer, strategy.device_mesh).sources),
+                                     strategy.root_device)
             self._verified(differing(joined.old_layout, joined.old_totals, joined.new_layout, new_totals),
                            joined.old_layout.config, strategy.parallel_config)
 
@@ -638,51 +646,8 @@ class Switcher:
         for guard in self.strategy.switch_guards:
             guard()
 
-    def _current(self):
-        module = self.strategy.lightning_module
-        model = getattr(module, "model", None)
-        if not isinstance(model, Transformer):
-            raise TypeError("switch() moves a dynatrain Transformer held as `model` by the LightningModule; "
-                            f"found {type(model).__name__}")
-        return model, self._optimizer()
-
     def _optimizer(self):
         return self.strategy.optimizers[0] if self.strategy.optimizers else None
-
-    def _keep(self, model, optimizer) -> dict:
-        """What survives a switch besides the routed shards: Adam's step, hyper-parameters, schedules."""
-        return {
-            "scalars": scalar_states(model, optimizer),
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            if optimizer else [],
-            "schedulers": [cfg.scheduler.state_dict() for cfg in self.strategy.lr_scheduler_configs],
-        }
-
-    def _release(self, model, optimizer) -> None:
-        """Drop every reference to the old shards but the engine's, so it can free each after its last send."""
-        self.strategy.lightning_module.model = None
-        self.released = True
-        if optimizer is not None:
-            optimizer.state.clear()
-            for g in optimizer.param_groups:
-                g["params"] = []
-        self.strategy.optimizers = []
-        del model, optimizer
-        gc.collect()
-
-    def _adopt(self, new_model, new_mesh, target, positions, dst, kept) -> None:
-        strategy = self.strategy
-        module = strategy.lightning_module
-        allocate_model(new_model, strategy.root_device)
-        adopt_weights(new_model, dst)
-        module.model = new_model
-        self.released = False
-        strategy._device_mesh = new_mesh
-        module._device_mesh = new_mesh
-        strategy.parallel_config = target
-        strategy.positions = positions
-        self._rebuild_optimizer(new_model, dst, kept["scalars"], kept["groups"], kept["schedulers"])
-        self._move_data(target)
 
     def _verified(self, bad: list[str], old_cfg: ParallelConfig, target: ParallelConfig) -> bool:
         if bad:
@@ -720,22 +685,6 @@ class Switcher:
             f"stall {report.stall_s:.3f}s" + (", verified bitwise" if verified else "")
         )
         return report
-
-    def _rebuild_optimizer(self, model, dst, scalars, groups, schedulers) -> None:
-        strategy = self.strategy
-        if self.trainer is None:
-            return
-        strategy.setup_optimizers(self.trainer)
-        if not strategy.optimizers:
-            return
-        optimizer = strategy.optimizers[0]
-        if len(optimizer.param_groups) != len(groups):
-            raise RuntimeError("configure_optimizers() returned different parameter groups after the switch")
-        for group, old in zip(optimizer.param_groups, groups):
-            group.update(old)
-        install_optimizer_state(model, optimizer, dst, scalars)
-        for cfg, state in zip(strategy.lr_scheduler_configs, schedulers):
-            cfg.scheduler.load_state_dict(state)
 
     def _move_data(self, target: ParallelConfig) -> None:
         trainer = self.trainer

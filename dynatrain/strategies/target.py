@@ -20,8 +20,12 @@ from torch import nn
 
 def meta_copy(module: nn.Module, keep: tuple = ()) -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are meta tensors; objects in ``keep`` (the trainer)
-    are shared, not copied."""
+    are shared, not copied. The copy holds no device mesh: a mesh keeps its process groups alive, and a group
+    that outlives its world keeps a survivor's peers blocked in it."""
     memo: dict[int, object] = {id(obj): obj for obj in keep if obj is not None}
+    mesh = getattr(module, "_device_mesh", None)
+    if mesh is not None:
+        memo[id(mesh)] = None
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():

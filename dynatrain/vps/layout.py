@@ -24,7 +24,7 @@ from dynatrain.vps.rules import LocalShards, ShardRule, layout_shards
 
 DTYPE_ITEMSIZE = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
 }
 
 # Optimizer states per parameter: suffix and dtype. The bare name is the model weight.
@@ -91,6 +91,7 @@ class Layout:
     classes: tuple[tuple[LocalShards, ...], ...]
     rank_map: tuple[int | None, ...]
     config: ParallelConfig | None = None
+    shardings: tuple[Sharding, ...] | None = None  # per state, when the boxes came from placements
     _index: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -149,13 +150,13 @@ class Layout:
         keys: dict[tuple, int] = {}
         state_class = [keys.setdefault((s.shape, sh), len(keys)) for s, sh in zip(states, shardings)]
         classes = tuple(sharding_shards(shape, sh) for shape, sh in keys)
-        return cls(states, tuple(state_class), classes, tuple(rank_map), config)
+        return cls(states, tuple(state_class), classes, tuple(rank_map), config, shardings)
 
     def with_rank_map(self, rank_map: Sequence[int | None]) -> "Layout":
         """The same boxes at the same positions, taken by other processes."""
         if len(rank_map) != len(self.rank_map):
             raise ValueError(f"rank map needs {len(self.rank_map)} positions, got {len(rank_map)}")
-        return Layout(self.states, self.state_class, self.classes, tuple(rank_map), self.config)
+        return Layout(self.states, self.state_class, self.classes, tuple(rank_map), self.config, self.shardings)
 
     def without(self, processes: Iterable[int]) -> "Layout":
         """This layout with ``processes`` lost: their positions become vacant and their data unreadable."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dynatrain.vps.box import Box
 from dynatrain.vps.parallel_config import ParallelConfig
-from dynatrain.vps.placement import LocalShards, chunk_bounds
+from dynatrain.vps.placement import LocalShards, Shard, Sharding, StridedShard, chunk_bounds
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,19 @@ def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> tuple[LocalShards, .
     else:
         per_st = [_shards_from_ranges(per_t[t], pcfg.dp_shard, s) for s in range(pcfg.dp_shard) for t in range(pcfg.tp)]
     return tuple(per_st) * pcfg.dp_replicate
+
+
+def rule_sharding(rule: ShardRule, pcfg: ParallelConfig) -> Sharding:
+    """The placements `apply_tp` then `fully_shard` give a state of this rule on the (dp_replicate, dp_shard, tp)
+    mesh: FSDP2 chunks dim 0 of the TP-local tensor, which DTensor records as a strided shard when TP split dim 0."""
+    if rule.fused is not None:
+        raise ValueError("a fused projection's parts are split one by one: no single placement describes it")
+    placements, dims = [], []
+    if pcfg.dp_shard > 1:
+        strided = rule.tp_dim == 0 and pcfg.tp > 1
+        placements.append(StridedShard(0, pcfg.tp) if strided else Shard(0))
+        dims.append((1,))
+    if rule.tp_dim is not None and pcfg.tp > 1:
+        placements.append(Shard(rule.tp_dim))
+        dims.append((2,))
+    return Sharding(pcfg.mesh_shape, tuple(placements), tuple(dims))

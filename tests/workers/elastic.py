@@ -7,6 +7,7 @@ optimizer step >= its step once the previous one has run.
 import argparse
 import os
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--prepared-signal", default=None, metavar="LAYOUT@FILE", help="rank 0 creates FILE once a "
                     "world change to LAYOUT, waiting for joiners, is being prepared in the background")
     ap.add_argument("--start-after", default=None, help="a joiner starts training only once this file exists")
+    ap.add_argument("--user-model", default=None, metavar="OPTIMIZER",
+                    help="train tests/workers/user_model.py's UserLM with this optimizer instead of LlamaLM")
     args = ap.parse_args()
     entries = []
     for item in filter(None, args.switches.split(";")):
@@ -144,7 +147,13 @@ def main() -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
     )
-    module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
+    if args.user_model:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from user_model import UserLM
+
+        module = UserLM(args.user_model)
+    else:
+        module = LlamaLM(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=64, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
                            max_corpus_bytes=400_000)
     while args.start_after and not os.path.exists(args.start_after):
@@ -165,6 +174,8 @@ def main() -> None:
         "log_dir": trainer.log_dir if logger else None,
         "warnings": [str(w.message) for w in caught],
     }
+    if args.user_model and not strategy.detached:
+        result["logit_scale"] = module.net.logit_scale.item()
     del trainer, module
     finish_rank(args.out, result)
 

@@ -1,0 +1,65 @@
+"""``strategy="dynatrain"`` for Lightning, registered without importing Lightning first.
+
+Lightning looks strategies up by name in its `StrategyRegistry`, and it re-runs the user's script in every extra
+process, so registration must happen whenever ``import dynatrain`` and Lightning meet in one process. Importing
+Lightning costs seconds, and the pure layers (``dynatrain.vps``, ``dynatrain.planner``, ``dynatrain plan``) never
+need it: so ``import dynatrain`` registers at once when Lightning is already loaded, and otherwise the moment
+``lightning.pytorch`` finishes loading.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+NAME = "dynatrain"
+_TARGET = "lightning.pytorch"
+
+
+def register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from dynatrain.memory import freeze_import_time_objects
+    from dynatrain.strategies.dynatrain import DynaTrainStrategy
+
+    if NAME not in StrategyRegistry:
+        StrategyRegistry.register(NAME, DynaTrainStrategy,
+                                  description="FSDP2 + tensor parallelism with online layout switching")
+    freeze_import_time_objects()  # Lightning's and torch's import-time objects too
+
+
+def _loaded(name: str) -> bool:
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
+
+
+class _AfterLightning(importlib.abc.MetaPathFinder):
+    """Wraps the loader of ``lightning.pytorch`` so `register` runs once that package is fully loaded."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            if "dynatrain.strategies.dynatrain" not in sys.modules:  # that module registers itself when loaded
+                register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def register_when_lightning_loads() -> None:
+    if _loaded(_TARGET):
+        if "dynatrain.strategies.dynatrain" not in sys.modules or _loaded("dynatrain.strategies.dynatrain"):
+            register()
+        return
+    if not any(isinstance(f, _AfterLightning) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLightning())

@@ -1,0 +1,66 @@
+"""A layout's placements without its processes: a device mesh of any size over fake process groups.
+
+A world change must know how the user's parallelisation places every state in a world that does not exist yet
+(more processes than today, or fewer). DTensor and FSDP2 decide placements from the mesh alone, so the module's
+parallelisation runs on the meta device over a mesh whose groups are torch's fake backend: nothing is sent and
+nothing allocated. The mesh answers to the same names as the strategy's (``dp_replicate``, ``dp_shard``, ``tp``
+and the flattened ``data_parallel``, ``tensor_parallel``). This process sits at position 0 of it, which changes no
+placement.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from dynatrain.vps.parallel_config import MESH_DIM_NAMES, ParallelConfig
+
+FLATTENED = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
+_names = itertools.count()
+
+
+class _Store(dist.Store):
+    """A store no fake group ever uses."""
+
+
+def _fake_group(rank: int, size: int, device_type: str, registered: list[str]) -> ProcessGroup:
+    pg = ProcessGroup(_Store(), rank, size)
+    backend = FakeProcessGroup._create_internal(rank, size)
+    for device in {"cpu", device_type}:
+        pg._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    pg._set_group_name(f"dynatrain_probe_{next(_names)}")
+    torch._C._distributed_c10d._register_process_group(pg.group_name, pg)  # FSDP2 resolves groups by name
+    registered.append(pg.group_name)
+    return pg
+
+
+@contextmanager
+def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu"):
+    """A ``(dp_replicate, dp_shard, tp)`` mesh of ``pcfg``'s size whose groups send nothing; its groups are
+    forgotten on exit."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    me = dist.get_rank()
+    ranks = [me] + [r for r in range(pcfg.world_size + 1) if r != me][: pcfg.world_size - 1]
+    ranks_t = torch.tensor(ranks, dtype=torch.int).view(pcfg.mesh_shape)
+    registered: list[str] = []
+    try:
+        groups = [_fake_group(0, n, device_type, registered) for n in pcfg.mesh_shape]
+        mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=MESH_DIM_NAMES)
+        for name, dims in FLATTENED.items():
+            sub = mesh[dims]
+            flat = DeviceMesh(mesh._device_type, _layout=_MeshLayout([sub._layout.collapse()]),
+                              _rank_map=mesh._rank_map, mesh_dim_names=(name,), _root_mesh=mesh, _init_backend=False)
+            group = _fake_group(0, sub.size(), device_type, registered)
+            flat._dim_group_names = [group.group_name]
+            mesh._flatten_mapping[name] = flat
+        yield mesh
+    finally:
+        for name in registered:
+            torch._C._distributed_c10d._unregister_process_group(name)
