@@ -46,15 +46,17 @@ def test_a_user_module_scales_in_and_out_with_a_joining_process(tmp_path):
     [static, *_] = launch("elastic.py", 4, [*common, "--static"], tmp_path / "static")
     members, joiners = launch_elastic("elastic.py", 4, [*common, "--switches", "2:dp_shard=3;4:dp_shard=2,tp=2"],
                                       tmp_path / "elastic", joiners=[[]], timeout=420)
-    assert members[3]["left"]
-    survivors = [*members[:3], *joiners]
+    leavers = [p for p in members if p["left"]]
+    assert len(leavers) == 1 and leavers[0]["reports"][0]["world_size"] == 0  # sent its shards and left
+    survivors = [p for p in members if not p["left"]] + joiners
     assert sorted(p["global_rank"] for p in survivors) == [0, 1, 2, 3]
     for p in survivors:
         assert p["layout"] == "dp_shard=2,tp=2" and p["world_size"] == 4 and p["global_step"] == 6, p
         assert all(r["verified"] for r in p["reports"])
         assert p["logit_scale"] == static["logit_scale"]
-    assert [r["world_size"] for r in members[0]["reports"]] == [3, 4]
-    losses, ref = members[0]["losses"], static["losses"]
+    first = next(p for p in survivors if p["global_rank"] == 0)
+    assert [r["world_size"] for r in first["reports"]] == [3, 4]
+    losses, ref = first["losses"], static["losses"]
     assert len(losses) == len(ref) == 6
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), (losses, ref)
     assert abs(joiners[0]["losses"][-1] - ref[-1]) <= 1e-5 * abs(ref[-1])

@@ -8,7 +8,7 @@ parallelises a dynatrain `Transformer` itself when the LightningModule does not 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticMan
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import dp_submesh, init_mesh, materialize_model, parallelize_model
 from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
-from dynatrain.strategies.target import ModuleTemplate
+from dynatrain.strategies.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -238,7 +238,12 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # Entered right before Lightning calls configure_model(): the module as the user built it is the template
         # every target layout is parallelised from.
         self._keep_template()
-        with super().model_sharded_context():
+        joining = self._switcher is not None and self._switcher.joined is not None
+        if joining:
+            # A joining process receives every value; its parallelisation must not scatter initial weights with
+            # collectives the members are not part of, so it runs on meta, as a target layout does.
+            to_meta(self.lightning_module)
+        with super().model_sharded_context(), torch.device("meta") if joining else nullcontext():
             yield
 
     def _keep_template(self) -> None:

@@ -28,7 +28,7 @@ class _Store(dist.Store):
     """A store no fake group ever uses."""
 
 
-def _fake_group(rank: int, size: int, device_type: str, registered: list[str]) -> ProcessGroup:
+def _fake_group(rank: int, size: int, device_type: str, registered: list[ProcessGroup]) -> ProcessGroup:
     pg = ProcessGroup(_Store(), rank, size)
     backend = FakeProcessGroup._create_internal(rank, size)
     for device in {"cpu", device_type}:
@@ -36,7 +36,7 @@ def _fake_group(rank: int, size: int, device_type: str, registered: list[str]) -
     pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
     pg._set_group_name(f"dynatrain_probe_{next(_names)}")
     torch._C._distributed_c10d._register_process_group(pg.group_name, pg)  # FSDP2 resolves groups by name
-    registered.append(pg.group_name)
+    registered.append(pg)  # the registry holds groups weakly
     return pg
 
 
@@ -49,7 +49,7 @@ def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu"):
     me = dist.get_rank()
     ranks = [me] + [r for r in range(pcfg.world_size + 1) if r != me][: pcfg.world_size - 1]
     ranks_t = torch.tensor(ranks, dtype=torch.int).view(pcfg.mesh_shape)
-    registered: list[str] = []
+    registered: list[ProcessGroup] = []
     try:
         groups = [_fake_group(0, n, device_type, registered) for n in pcfg.mesh_shape]
         mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=MESH_DIM_NAMES)
@@ -62,5 +62,5 @@ def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu"):
             mesh._flatten_mapping[name] = flat
         yield mesh
     finally:
-        for name in registered:
-            torch._C._distributed_c10d._unregister_process_group(name)
+        for pg in registered:
+            torch._C._distributed_c10d._unregister_process_group(pg.group_name)

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 
 
 class _BoundaryHook(pl.Callback):
-    """Runs a requested switch right after the micro-batch that closed an optimizer step."""
+    """Keeps the switcher in step with Lightning's epochs and start; a requested switch runs right after the
+    micro-batch that closed an optimizer step (see `Switcher._wrap_advance`)."""
 
     def __init__(self, switcher: "Switcher") -> None:
         self.switcher = switcher
@@ -66,9 +67,6 @@ class _BoundaryHook(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.switcher.on_train_start()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.switcher.pending is not None and self.switcher.at_boundary():
-            self.switcher.run_pending()
 
 
 class WorldChangeError(RuntimeError):
@@ -119,22 +117,28 @@ class Switcher:
             return zero_grad_fn
 
         auto._make_zero_grad_fn = make_zero_grad_fn
-        self._guard_against_lost_peers(loop)
+        self._wrap_advance(loop)
 
-    def _guard_against_lost_peers(self, loop) -> None:
-        """In an elastic job, a process lost during a micro-batch is recovered from (see `recovery`); the
-        micro-batch then counts as consumed and its step runs again under the survivors' layout."""
+    def _wrap_advance(self, loop) -> None:
+        """Around each micro-batch: a pending switch runs once the micro-batch that closed a step is done; in an
+        elastic job, a process lost during a micro-batch is recovered from (see `recovery`), the micro-batch then
+        counts as consumed and its step runs again under the survivors' layout."""
         advance, advance_end = loop.advance, loop.on_advance_end
         skip_end = [False]
 
         def guarded_advance(data_fetcher) -> None:
             try:
                 advance(data_fetcher)
-                return
             except Exception as e:
                 if not self._recoverable(e):
                     raise
                 error = e
+            else:
+                # After every on_train_batch_end, the LightningModule's included: what the module does at the end
+                # of a step (a buffer it updates, say) is part of the state that moves.
+                if self.pending is not None and self.at_boundary():
+                    self.run_pending()
+                return
             # Outside the handler, without the traceback: its frames hold the step's tensors, which hold the
             # broken groups open.
             error.__traceback__ = None
@@ -527,6 +531,8 @@ class Switcher:
         stats = moved["stats"]
         if world is None:
             self._detach()
+            if strategy._template is not None:
+                transplant(module, strategy._template.fresh(), names)
             return self._report(plan, old_cfg, target, [], stats, None, timer)
         if not ahead:
             build(world)

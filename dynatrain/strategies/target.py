@@ -51,6 +51,25 @@ class ModuleTemplate:
             parallelize(target)
         return target
 
+    def fresh(self) -> nn.Module:
+        """An unparallelised copy on meta: what a process that left the job holds in place of its model, so the
+        module's hooks that still run as its loop winds down find their modules."""
+        target = copy.deepcopy(self.template, {id(obj): obj for obj in self.keep if obj is not None})
+        if hasattr(self.source, "_trainer"):
+            target._trainer = self.source._trainer
+        return target
+
+
+def to_meta(module: nn.Module) -> None:
+    """Move the module's parameter-holding children (and its own parameters) to meta; metrics and other children
+    without parameters keep their state."""
+    for child in module.children():
+        if holds_parameters(child):
+            child.to("meta")
+    for n, p in list(module._parameters.items()):
+        if p is not None:
+            module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
 
 def holds_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None

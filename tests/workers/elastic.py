@@ -89,7 +89,6 @@ class Preempt(pl.Callback):
 def main() -> None:
     if os.environ.get("DYNATRAIN_DEBUG_STACKS"):
         import faulthandler
-        import sys
         import threading
 
         def dump() -> None:
