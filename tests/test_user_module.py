@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from _launch import launch, launch_elastic
 
-from dynatrain.strategies.capture import capture, check_switchable
+from dynatrain.strategies.capture import BUFFER, capture, check_switchable
 
 SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
 
@@ -90,10 +95,11 @@ def test_optimizer_tensors_of_the_parameters_shape_are_routed_and_scalars_kept(n
     opt.step()
     check_switchable(model, [opt])
     cap = capture(model, opt, _ROOT)
-    keys = {key for _, key in cap.param_of.values() if key is not None}
+    keys = {key for _, key in cap.param_of.values() if key not in (None, BUFFER)}
     assert keys == routed
     assert all(set(v) <= {"step"} for v in cap.scalars.values())
-    assert set(cap.buffers) == {"logit_scale", "positions_seen"}
+    # buffers travel whole, a 0-d one as one element
+    assert {n for n, (_, key) in cap.param_of.items() if key == BUFFER} == {"logit_scale", "positions_seen"}
 
 
 def test_tied_weights_a_factored_optimizer_and_a_sharded_lightning_module_are_refused():
@@ -111,3 +117,20 @@ def test_tied_weights_a_factored_optimizer_and_a_sharded_lightning_module_are_re
         check_switchable(model, [opt])
     with pytest.raises(ValueError, match="returned 2 optimizers"):
         check_switchable(TinyLM(layers=1), [opt, opt])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_selfcheck_module_checks_a_users_own_module_against_the_dcp_oracle():
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests / "workers"), str(tests.parent)]))
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", "user_model:UserLM", "--devices", "4",
+           "--switches", " > ".join(["dp_shard=4", *SEQUENCE]), "--steps-between", "1", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["model"] == "user_model:UserLM"
+    assert [s["to"] for s in result["switches"]] == SEQUENCE
+    # every switch equals the DCP oracle bit for bit, and so does the step after it
+    assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in result["switches"])
+    assert result["loss_max_rel_diff"] <= 1e-5

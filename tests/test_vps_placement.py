@@ -8,6 +8,7 @@ import pytest
 
 from dynatrain.vps import Layout, ParallelConfig, Replicate, Shard, Sharding, StateSpec, StridedShard
 from dynatrain.vps.placement import position_shards, sharding_shards
+from dynatrain.vps.rules import rule_sharding
 
 
 def _as_placements(tp_dim: int | None, pcfg: ParallelConfig) -> Sharding:
@@ -25,6 +26,8 @@ def test_placements_give_the_boxes_of_the_tp_then_fsdp_rules(shape, tp_dim, mesh
     by_rule = Layout.from_config([spec], pcfg)
     by_placement = Layout.from_shardings([StateSpec("w", shape, "float32")], [_as_placements(tp_dim, pcfg)], pcfg)
     assert by_rule.classes == by_placement.classes
+    by_rule_sharding = Layout.from_shardings([spec], [rule_sharding(spec.rule, pcfg)], pcfg)
+    assert by_rule_sharding.classes == by_rule.classes
 
 
 def test_a_flattened_data_parallel_dimension_chunks_over_the_product():

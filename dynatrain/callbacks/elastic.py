@@ -40,7 +40,7 @@ from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
 from dynatrain.elastic.signals import (
     ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource, describe_request,
 )
-from dynatrain.planner.layouts import GiB, Devices, LayoutPolicy, Workload
+from dynatrain.planner.layouts import GiB, Devices, LayoutPolicy, Workload, choose_layout
 from dynatrain.planner.network import NetworkModel
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -333,6 +333,9 @@ class ElasticCallback(pl.Callback):
         if not hasattr(trainer.strategy, "request_switch"):
             raise TypeError(f"ElasticCallback needs a strategy that can switch layouts (DynaTrainStrategy), "
                             f"got {type(trainer.strategy).__name__}")
+        # The layout the survivors of a lost process go on with: this callback's policy.
+        trainer.strategy.layout_chooser = lambda count: choose_layout(self.devices_for(count),
+                                                                       workload_for(trainer)).config
         found = [cb for cb in trainer.callbacks if isinstance(cb, SwitchLog)]
         if found:
             self.switch_log = found[0]
@@ -357,8 +360,8 @@ class ElasticCallback(pl.Callback):
         if getattr(trainer.strategy, "detached", False):
             self.close()  # this process has left the job: it no longer takes requests
             return
-        switcher = getattr(trainer.strategy, "_switcher", None)
-        if switcher is None or not switcher.at_boundary():
+        at_boundary = getattr(trainer.strategy, "at_step_boundary", None)
+        if at_boundary is None or not at_boundary():
             return
         step = trainer.global_step
         if step == self._last_checked or step % self.check_every_n_steps:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -32,78 +31,25 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dynatrain.strategies.elastic import loop_checkpoint
 
 log = logging.getLogger("dynatrain.snapshot")
 
-SNAPSHOTS_KEY = "elastic/snapshots"  # in an elastic job's store: the snapshot directory
-MARKER = "COMMITTED"
-META = "snapshot.json"
-LATEST = "latest"
-_NAME = re.compile(r"^step-(\d+)$")
-_PARTIAL = re.compile(r"^step-(\d+)\.partial$")
-
-
-# ---- reading snapshots (any process, no process group needed) -----------------------------------------------
-def is_committed(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return bool(_NAME.match(path.name)) and (path / MARKER).is_file()
-
-
-def _committed_steps(root: Path) -> dict[int, Path]:
-    out = {}
-    for p in root.iterdir() if root.is_dir() else ():
-        m = _NAME.match(p.name)
-        if m and is_committed(p):
-            out[int(m.group(1))] = p
-    return out
-
-
-def latest_snapshot(dirpath: str | os.PathLike) -> Path | None:
-    """The most recently committed snapshot under ``dirpath``, or None. Partial and unmarked ones never count."""
-    root = Path(dirpath)
-    try:
-        name = (root / LATEST).read_text().strip()
-    except OSError:
-        name = ""
-    if _NAME.match(name) and is_committed(root / name):
-        return root / name
-    # No usable pointer (a crash between commit and pointer update, or it was removed): the newest marked one.
-    steps = _committed_steps(root)
-    return steps[max(steps)] if steps else None
-
-
-def _model(pl_module: pl.LightningModule) -> torch.nn.Module:
-    inner = getattr(pl_module, "model", None)
-    return inner if isinstance(inner, torch.nn.Module) else pl_module
-
-
-def restore_snapshot(strategy, pl_module: pl.LightningModule, path: str | os.PathLike) -> dict:
-    """Load a committed snapshot's model and optimizer state into the strategy's current layout, in place.
-
-    Every rank of the current world calls it with the same path. DCP reshards from whatever layout and world
-    size the snapshot was written with; the optimizer's hyper-parameters (the LR) come back with its state.
-    Returns the snapshot's metadata (``step``, ``epoch``, ``layout``, ``world_size`` and ``checkpoint``: the loop,
-    LR-scheduler, data-module and callback state as a Lightning checkpoint holds them) for the caller to reset
-    the loop with.
-    """
-    path = Path(path)
-    if not is_committed(path):
-        raise ValueError(f"{path} is not a committed snapshot (a step-<N> directory holding {MARKER}): it may be "
-                         "half-written; pass latest_snapshot(dirpath) instead")
-    model, optimizers = _model(pl_module), list(strategy.optimizers)
-    if not optimizers:
-        raise ValueError("restore_snapshot needs the optimizer: call it after the strategy set up optimizers "
-                         "(during fit)")
-    for opt in optimizers:
-        _init_optim_state(opt)  # an optimizer that never stepped has no state tensors for DCP to fill
-    msd, osd = get_state_dict(model, optimizers)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads((path / META).read_text())
+from dynatrain.strategies.snapshot_io import (  # noqa: F401  (part of this module's public API)
+    LATEST,
+    MARKER,
+    META,
+    SNAPSHOTS_KEY,
+    _NAME,
+    _PARTIAL,
+    _committed_steps,
+    _model,
+    is_committed,
+    latest_snapshot,
+    restore_snapshot,
+)
 
 
 # ---- writing snapshots ---------------------------------------------------------------------------------------
@@ -209,8 +155,8 @@ class Snapshot(pl.Callback):
     def _at_new_boundary(self, trainer) -> bool:
         if trainer.global_step == self._seen_step:
             return False  # the other micro-batches of an accumulated step
-        switcher = getattr(trainer.strategy, "_switcher", None)
-        if switcher is not None and not switcher.at_boundary():
+        at_boundary = getattr(trainer.strategy, "at_step_boundary", None)
+        if at_boundary is not None and not at_boundary():
             return False
         self._seen_step = trainer.global_step
         return True

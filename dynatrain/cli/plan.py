@@ -16,7 +16,7 @@ from dynatrain.models.specs import layout_for_model
 from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.vps.layout import STATE_KINDS, Layout
+from dynatrain.vps.layout import STATE_KINDS
 from dynatrain.vps.parallel_config import ParallelConfig
 
 HELP = "plan a layout switch offline: bytes moved, rounds, predicted seconds"

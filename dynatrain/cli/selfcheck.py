@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("selfcheck", help="train with layout switches on CPU and verify each against a DCP oracle",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="debug")
+    p.add_argument("--module", default=None, metavar="PKG.MODULE:CLASS",
+                   help="check your own LightningModule (built with no arguments; importable from the working "
+                        "directory or PYTHONPATH) instead of the zoo's LlamaLM --model")
+    p.add_argument("--datamodule", default=None, metavar="PKG.MODULE:CLASS",
+                   help="its data (default: the embedded corpus as (tokens, labels) batches of bytes)")
     p.add_argument("--devices", type=int, default=None,
                    help="processes the run starts with (default: the first layout's dp_replicate*dp_shard*tp)")
     p.add_argument("--switches", default="dp_shard=4 > dp_shard=2,tp=2 > tp=4 > dp_replicate=2,dp_shard=2 > dp_shard=4",
@@ -81,7 +86,7 @@ def run(args) -> int:
         from dynatrain.selfcheck.faults import run_scenarios
 
         return run_scenarios(args)
-    model = get_model_config(args.model)
+    model = None if args.module else get_model_config(args.model)
     layouts, devices = parse_layouts(args, model)
     if args.steps_between < 1:
         raise SystemExit("--steps-between must be at least 1")
@@ -95,6 +100,9 @@ def run(args) -> int:
                   "--budget-mb", str(args.budget_mb), "--workdir", tmp]
         if args.n_layers:
             common += ["--n-layers", str(args.n_layers)]
+        for flag in ("module", "datamodule"):
+            if getattr(args, flag):
+                common += [f"--{flag}", getattr(args, flag)]
         try:
             switching = _run_switching(common, devices, worlds, joiners, Path(tmp), args.timeout)
             static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static")
@@ -104,7 +112,7 @@ def run(args) -> int:
     a, b = merge_losses(switching), static[0]["losses"]
     diff = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("inf")) if len(a) == len(b) else float("inf")
     result = {
-        "model": args.model, "devices": devices, "worlds": worlds, "joiners": joiners, "global_batch": batch,
+        "model": args.module or args.model, "devices": devices, "worlds": worlds, "joiners": joiners, "global_batch": batch,
         "switches": merge_switches(switching),
         "loss_max_rel_diff": diff, "losses": a, "static_losses": b,
     }
@@ -115,7 +123,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        _print_table(result, args.model)
+        _print_table(result, args.module or args.model)
     return 0 if ok else 1
 
 

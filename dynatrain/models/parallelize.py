@@ -121,6 +121,25 @@ def parallelize_model(
     return apply_fsdp(model, dp_mesh, mp_policy=mp_policy)
 
 
+def parallelize_llama(
+    module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *,
+    mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False,
+) -> nn.Module:
+    """The zoo's parallelize_fn: TP then FSDP on every dynatrain `Transformer` in ``module`` (``module`` itself
+    included) for the layout ``pcfg`` on ``mesh``."""
+    found = [m for m in module.modules() if isinstance(m, Transformer)]
+    if not found:
+        raise TypeError(
+            f"{type(module).__name__} holds no dynatrain Transformer: parallelise your own model in the "
+            "LightningModule's `configure_model()` using `self.device_mesh`, or give DynaTrainStrategy a "
+            "`parallelize_fn(module, mesh, layout)` that does"
+        )
+    for transformer in found:
+        parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
+                          sequence_parallel=sequence_parallel)
+    return module
+
+
 def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
 

@@ -74,7 +74,7 @@ class InjectFault(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        if self.restarted or not strategy._switcher.at_boundary():
+        if self.restarted or not strategy.at_step_boundary():
             return
         if self.scenario == "leaver-dies" and trainer.global_step == self.spec["fault_step"]:
             self._scale_in_losing_a_leaver(strategy)
@@ -82,7 +82,7 @@ class InjectFault(pl.Callback):
         if self.saved or trainer.global_step != self.spec["committed_step"]:
             return
         self.saved = True
-        oracle.save(pl_module.model, strategy.optimizers[0], self.committed)
+        oracle.save(pl_module, strategy.optimizers[0], self.committed)
         if self.scenario == "joiner-dies":
             self._scale_out_to_a_dead_joiner(trainer, pl_module)
 
@@ -119,9 +119,9 @@ class InjectFault(pl.Callback):
         strategy = trainer.strategy
         done = len(strategy.switch_reports)
         strategy.request_switch(f"dp_shard={strategy.world_size + 1}")
-        while strategy._switcher.pending is not None:
-            strategy._switcher.run_pending()
-            if strategy._switcher.pending is not None:
+        while strategy.switch_pending:
+            strategy.run_pending_switch()
+            if strategy.switch_pending:
                 time.sleep(0.2)
         if len(strategy.switch_reports) == done:
             self.steps_lost = 0
@@ -130,7 +130,7 @@ class InjectFault(pl.Callback):
     def _compare(self, trainer, pl_module) -> None:
         strategy = trainer.strategy
         model, optimizer = oracle.load_into_layout(strategy, pl_module, self.committed)
-        self.state_equal = oracle.bitwise_equal(pl_module.model, strategy.optimizers[0], model, optimizer,
+        self.state_equal = oracle.bitwise_equal(pl_module, strategy.optimizers[0], model, optimizer,
                                                 strategy.root_device)
 
     def result(self, trainer) -> dict:

@@ -13,36 +13,44 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
 
-from dynatrain.models.parallelize import allocate_model
 from dynatrain.strategies.capture import local_tensor
 
 
-def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    msd, osd = get_state_dict(model, optimizer)
+def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    msd, osd = get_state_dict(module, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
 
 def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A fresh model and optimizer on the strategy's current (new) mesh, filled from the checkpoint at path."""
-    model = strategy.build_target(strategy.device_mesh, strategy.parallel_config).model
-    allocate_model(model, strategy.root_device)
+    """A fresh copy of the LightningModule and optimizer on the strategy's current (new) mesh, built by the
+    module's own parallelisation and filled from the checkpoint at path by DCP. Buffers DCP does not hold
+    (non-persistent ones) are the live module's."""
+    fresh = strategy.build_target(strategy.device_mesh, strategy.parallel_config)
+    for child in fresh.children():
+        if next(child.parameters(), None) is not None:
+            child.to_empty(device=strategy.root_device)
+    live_buffers = dict(module.named_buffers())
+    with torch.no_grad():
+        for name, b in fresh.named_buffers():
+            if name in live_buffers and not b.is_meta:
+                b.copy_(live_buffers[name])
     live = strategy.optimizers[0]
-    groups = []
-    names = {id(p): n for n, p in module.model.named_parameters()}
-    params = dict(model.named_parameters())
-    for g in live.param_groups:
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [params[names[id(p)]] for p in g["params"]]})
+    names = {id(p): n for n, p in module.named_parameters()}
+    params = dict(fresh.named_parameters())
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[names[id(p)]] for p in g["params"]]}
+              for g in live.param_groups]
     optimizer = type(live)(groups)
     _init_optim_state(optimizer)
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(fresh, optimizer)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return model, optimizer
+    set_state_dict(fresh, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return fresh, optimizer
 
 
-def bitwise_equal(model_a, opt_a, model_b, opt_b, device) -> bool:
-    """True on every rank when every local weight, Adam moment and step of a equals b's bit for bit."""
+def bitwise_equal(model_a, opt_a, model_b, opt_b, device, buffers: bool = True) -> bool:
+    """True on every rank when every local weight and optimizer tensor (and buffer, with ``buffers``) of a equals
+    b's bit for bit."""
     ok = True
     params_b = dict(model_b.named_parameters())
     for name, pa in model_a.named_parameters():
@@ -54,6 +62,11 @@ def bitwise_equal(model_a, opt_a, model_b, opt_b, device) -> bool:
             continue
         for key in sa:
             ok &= torch.equal(local_tensor(sa[key]).cpu(), local_tensor(sb[key]).cpu())
+    buffers_b = dict(model_b.named_buffers()) if buffers else {}
+    for name, ba in model_a.named_buffers() if buffers else ():
+        bb = buffers_b.get(name)
+        if bb is not None and not bb.is_meta:  # a module without parameters is not part of the copy
+            ok &= torch.equal(ba.cpu(), bb.cpu())
     flag = torch.tensor(1 if ok else 0, device=device)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -15,8 +15,11 @@ import time
 import warnings
 from pathlib import Path
 
+import importlib
+
 import lightning.pytorch as pl
-import torch.nn.functional as F
+import torch
+import torch.distributed as dist
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
@@ -54,6 +57,13 @@ class ScriptedSwitches(pl.Callback):
         self.results.append(record)
         self._compare(trainer, pl_module, record)
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # The oracle's checkpoint is the state the switch moves (saved as it starts, after the step's hooks), and
+        # the comparison runs as soon as it ends.
+        self._armed: tuple[int, int] | None = None  # (switch index, world it starts from)
+        trainer.strategy.switch_guards.append(lambda: self._save(trainer, pl_module))
+        trainer.strategy.after_switch.append(lambda report: self._switched(trainer, pl_module, report))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.shadow is not None:
             self._shadow_micro_batch(trainer, pl_module, batch)
@@ -61,17 +71,31 @@ class ScriptedSwitches(pl.Callback):
         index = self.next
         if index >= len(self.layouts) - 1 or trainer.global_step != (index + 1) * self.steps_between:
             return
-        if not strategy._switcher.at_boundary():
+        if not strategy.at_step_boundary():
             return
         self.next += 1
-        if self.check:
-            oracle.save(pl_module.model, strategy.optimizers[0], self._checkpoint(index))
-        world_from = strategy.world_size
-        report = self._switch(strategy, self.layouts[index + 1])
+        self._armed = (index, strategy.world_size)
+        target = self.layouts[index + 1]
+        if target.world_size == strategy.world_size:
+            strategy.request_switch(target)  # runs at this boundary, after the module's own hooks
+        else:
+            world_from = strategy.world_size
+            report = self._switch(strategy, target)
+            if report is None or strategy.detached:  # dropped, or this process left: nothing to compare here
+                self._armed = None
+                self.results.append(self._record(index, world_from, report))
+
+    def _save(self, trainer, pl_module) -> None:
+        if self._armed is not None and self.check:
+            oracle.save(pl_module, trainer.strategy.optimizers[0], self._checkpoint(self._armed[0]))
+
+    def _switched(self, trainer, pl_module, report) -> None:
+        if self._armed is None:
+            return
+        (index, world_from), self._armed = self._armed, None
         record = self._record(index, world_from, report)
         self.results.append(record)
-        if report is not None and not strategy.detached:
-            self._compare(trainer, pl_module, record)
+        self._compare(trainer, pl_module, record)
 
     def _switch(self, strategy, target: ParallelConfig):
         """Run the switch to ``target`` now, at this boundary, and return its report (None if it was dropped).
@@ -80,14 +104,11 @@ class ScriptedSwitches(pl.Callback):
         a scale-out would otherwise wait for its joiners across later steps, and the oracle's checkpoint holds
         the state of this boundary.
         """
-        if target.world_size == strategy.world_size:
-            return strategy.switch(target)
         done = len(strategy.switch_reports)
         strategy.request_switch(target)
-        switcher = strategy._switcher
-        while switcher.pending is not None:
-            switcher.run_pending()  # every rank gets rank 0's view of the ready joiners: the loop stays in step
-            if switcher.pending is not None:
+        while strategy.switch_pending:
+            strategy.run_pending_switch()  # every rank gets rank 0's view of the ready joiners: all stay in step
+            if strategy.switch_pending:
                 time.sleep(0.2)
         return strategy.switch_reports[-1] if len(strategy.switch_reports) > done else None
 
@@ -118,7 +139,7 @@ class ScriptedSwitches(pl.Callback):
             return
         strategy = trainer.strategy
         model, optimizer = oracle.load_into_layout(strategy, pl_module, self._checkpoint(record["index"]))
-        record["bitwise_equal"] = oracle.bitwise_equal(pl_module.model, strategy.optimizers[0], model, optimizer,
+        record["bitwise_equal"] = oracle.bitwise_equal(pl_module, strategy.optimizers[0], model, optimizer,
                                                        strategy.root_device)
         if trainer.global_step < trainer.max_steps:
             # The micro-batch count is read at the first micro-batch: a joiner's accumulation is set after this.
@@ -129,8 +150,9 @@ class ScriptedSwitches(pl.Callback):
         model, optimizer, left = self.shadow
         if left is None:
             left = trainer.accumulate_grad_batches
-        tokens, labels = batch
-        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+        loss = model.training_step(batch, 0)  # the oracle is a copy of the LightningModule: its own loss
+        if isinstance(loss, dict):
+            loss = loss["loss"]
         (loss / trainer.accumulate_grad_batches).backward()
         left -= 1
         self.shadow = (model, optimizer, left)
@@ -138,9 +160,38 @@ class ScriptedSwitches(pl.Callback):
             return
         optimizer.step()
         self.results[-1]["step_after_equal"] = oracle.bitwise_equal(
-            pl_module.model, trainer.strategy.optimizers[0], model, optimizer, trainer.strategy.root_device)
+            pl_module, trainer.strategy.optimizers[0], model, optimizer, trainer.strategy.root_device,
+            buffers=False)  # the module's own hooks, which the oracle does not run, may change buffers
         self.shadow = None
         gc.collect()
+
+
+class StepLosses(pl.Callback):
+    """The loss of each optimizer step over the whole global batch, for modules that do not record it: the mean of
+    every micro-batch's loss on every rank (micro-batches are equal-sized)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self._micro: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self._micro.append(loss.detach().float() * trainer.accumulate_grad_batches)  # Lightning divided it
+        if trainer.strategy.at_step_boundary() and not trainer.strategy.detached:
+            mean = torch.stack(self._micro).mean()
+            if dist.is_initialized():
+                dist.all_reduce(mean)
+                mean /= dist.get_world_size()
+            self.losses.append(mean.item())
+            self._micro.clear()
+
+
+def load_class(path: str):
+    """``pkg.module:Class`` -> the class (its module importable from the working directory or PYTHONPATH)."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise SystemExit(f"{path!r}: write a class as pkg.module:ClassName")
+    return getattr(importlib.import_module(module), name)
 
 
 def main() -> None:
@@ -164,6 +215,8 @@ def main() -> None:
     ap.add_argument("--inject", default=None, help="a fault scenario of dynatrain.selfcheck.faults")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one stretch per layout)")
     ap.add_argument("--restarted", action="store_true", help="start from the fault scenario's latest snapshot")
+    ap.add_argument("--module", default=None, help="pkg.module:Class, a LightningModule to check instead of LlamaLM")
+    ap.add_argument("--datamodule", default=None, help="pkg.module:Class (default: the embedded corpus, bytes)")
     args = ap.parse_args()
     layouts = [s.strip() for s in args.layouts.split(">")]
     steps = args.steps or args.steps_between * len(layouts)
@@ -187,17 +240,23 @@ def main() -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[script, *extra])
-    overrides = {"n_layers": args.n_layers} if args.n_layers else None
-    module = LlamaLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
-    data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
-                           micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
+                         callbacks=[recorder := StepLosses(), script, *extra])
+    if args.module:
+        module = load_class(args.module)()
+    else:
+        overrides = {"n_layers": args.n_layers} if args.n_layers else None
+        module = LlamaLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
+    if args.datamodule:
+        data = load_class(args.datamodule)()
+    else:
+        data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
+                               micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)
     resume = JOIN_CHECKPOINT if joining else (str(script.snapshots) if args.restarted else None)
     trainer.fit(module, datamodule=data, ckpt_path=resume)
     if args.inject:
         result = script.result(trainer)
     else:
-        result = {"losses": module.step_losses, "first_step": script.first_step, "switches": script.results,
+        result = {"losses": getattr(module, "step_losses", recorder.losses), "first_step": script.first_step, "switches": script.results,
                   "left": strategy.detached, "joined": joining}
     del trainer, module, strategy
     finish_rank(args.out, result)

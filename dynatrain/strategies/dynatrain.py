@@ -2,12 +2,14 @@
 
 Built on Lightning's `ModelParallelStrategy` for process-group set-up, DCP checkpoints and the launcher;
 it owns the mesh layout (`parallel`), keeps the global batch fixed through gradient accumulation, and
-parallelises a dynatrain `Transformer` itself when the LightningModule does not do so in `configure_model`.
+applies a ``parallelize_fn`` (by default the zoo's, for the dynatrain `Transformer`s a module holds) when the
+LightningModule does not parallelise its model in `configure_model`. It never names a model class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -20,13 +22,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, member_info
-from dynatrain.models.llama import Transformer
-from dynatrain.models.parallelize import dp_submesh, init_mesh, materialize_model, parallelize_model
+from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
 from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
 from dynatrain.strategies.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -64,6 +66,9 @@ class DynaTrainStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
         elastic: let the job change its processes (``True``, a dict of `ElasticConfig` fields, or one):
             processes leave and join through the job's store (see docs/elastic.md).
+        parallelize_fn: ``fn(module, mesh, layout)`` that parallelises a LightningModule without
+            `configure_model()` for a layout (torchtitan's style); by default the zoo's, for the dynatrain
+            `Transformer`s the module holds. Also what `parallelize()` applies.
     """
 
     strategy_name = "dynatrain"
@@ -81,6 +86,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         elastic: ElasticConfig | dict | bool | None = None,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh, ParallelConfig], Any] | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -92,6 +98,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         param = _dtype(param_dtype, "param_dtype")
         reduce = _dtype(reduce_dtype, "reduce_dtype")
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce) if param is not None else None
+        self.parallelize_fn = parallelize_fn or partial(parallelize_llama, mp_policy=self.mp_policy,
+                                                        sequence_parallel=sequence_parallel)
         self.verify_switches = verify_switches
         if switch_budget_mb <= 0:
             raise ValueError(f"switch_budget_mb must be positive, got {switch_budget_mb}")
@@ -114,8 +122,13 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # Called on every rank before a switch moves any state (e.g. to finish an in-flight asynchronous
         # snapshot, whose background collectives would otherwise meet the old groups being torn down).
         self.switch_guards: list = []
+        # Called on every process of the new world with the SwitchReport once a switch completed.
+        self.after_switch: list = []
         self._template: ModuleTemplate | None = None  # the LightningModule before configure_model(), on meta
         self._target: tuple[DeviceMesh, ParallelConfig] | None = None  # set while a target layout is built
+        # The job's layout policy for a number of processes (set by dynatrain.callbacks.ElasticCallback): what the
+        # survivors of a lost process go on with.
+        self.layout_chooser = None
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
@@ -216,22 +229,15 @@ class DynaTrainStrategy(ModelParallelStrategy):
         return mesh
 
     # ---- model --------------------------------------------------------------------------------------------
-    def parallelize(
-        self, model: Transformer, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
-    ) -> Transformer:
-        """Apply TP and FSDP to a dynatrain Transformer for a layout (default: the current one, or the target
-        a switch is building)."""
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
+                    ) -> nn.Module:
+        """Apply ``parallelize_fn`` to a model for a layout (default: the current one, or the target a switch is
+        building)."""
         target_mesh, target_pcfg = self._target or (None, None)
         mesh = mesh or target_mesh or self.device_mesh
         pcfg = pcfg or target_pcfg or self.parallel_config
         assert pcfg is not None
-        return parallelize_model(
-            model,
-            mesh["tp"],
-            dp_submesh(mesh, pcfg),
-            mp_policy=self.mp_policy,
-            sequence_parallel=self.sequence_parallel,
-        )
+        return self.parallelize_fn(model, mesh, pcfg)
 
     @contextmanager
     def model_sharded_context(self):
@@ -253,7 +259,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
 
     def build_target(self, mesh: DeviceMesh, pcfg: ParallelConfig):
         """A copy of the LightningModule parallelised for ``pcfg`` on ``mesh`` by the user's own configure_model()
-        (or the strategy's parallelisation of the Transformers it holds), on the meta device."""
+        (or the strategy's ``parallelize_fn``), on the meta device."""
         if self._template is None:
             raise ValueError("the LightningModule was not set up by this strategy's fit, so its parallelisation "
                              "cannot be run again for another layout")
@@ -283,7 +289,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
             self._switcher.adopt_joined_module()  # the members wait in the transfer, whatever this module holds
         else:
             for module in self.model.modules():
-                if isinstance(module, Transformer) and any(p.is_meta for p in module.parameters()):
+                # torchtitan's convention: a model that initialises itself independently of its layout.
+                if callable(getattr(module, "init_weights", None)) and any(p.is_meta for p in module.parameters()):
                     materialize_model(module, self.root_device)
             # A model the user built on meta: initialised by its reset_parameters(), as ModelParallelStrategy does.
             _materialize_distributed_module(self.model, self.root_device)
@@ -301,15 +308,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize_children(self, root=None) -> None:
-        found = [m for m in (root or self.model).modules() if isinstance(m, Transformer)]
-        if not found:
-            raise TypeError(
-                "DynaTrainStrategy found no dynatrain Transformer in the LightningModule and no `configure_model()`"
-                " override: either hold a `dynatrain.models.Transformer` or parallelise your model in"
-                " `configure_model()` using `self.device_mesh`."
-            )
-        for transformer in found:
-            self.parallelize(transformer)
+        self.parallelize(root or self.model)
 
     def _set_accumulation(self, trainer: Trainer) -> None:
         datamodule = getattr(trainer, "datamodule", None)
@@ -325,12 +324,25 @@ class DynaTrainStrategy(ModelParallelStrategy):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._switcher.attach(trainer)
 
-    def materialize(self, model: Transformer) -> None:
-        """Give a meta-device Transformer its initialised weights. A target layout being built, or a joining
+    def materialize(self, model: nn.Module) -> None:
+        """Give a meta-device model its initialised weights (its ``init_weights``). A target layout being built, or a joining
         process, keeps it on meta: the switch fills it with the moved shards."""
         if self._target is not None or (self._switcher is not None and self._switcher.joined is not None):
             return
         materialize_model(model, self.root_device)
+
+    def at_step_boundary(self) -> bool:
+        """True between two optimizer steps (where a switch may run), False inside a gradient accumulation."""
+        return self._switcher is None or self._switcher.at_boundary()
+
+    @property
+    def switch_pending(self) -> bool:
+        return self._switcher is not None and self._switcher.pending is not None
+
+    def run_pending_switch(self):
+        """Run the requested switch now if it can run (at a step boundary; a scale-out needs its joiners ready);
+        returns its `SwitchReport` or None. Every rank calls it at the same point."""
+        return self._switcher.run_pending()
 
     def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = ()) -> ParallelConfig:
         """Switch to ``target`` at the next optimizer-step boundary (now, if training is at one).
@@ -368,7 +380,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
             if self._switcher is None or self._switcher.joined is None:
                 raise ValueError(f"ckpt_path={JOIN_CHECKPOINT!r} is for a process started with `dynatrain join`")
             return self._switcher.joined.checkpoint
-        from dynatrain.callbacks.snapshot import is_committed, latest_snapshot, restore_snapshot
+        from dynatrain.strategies.snapshot_io import is_committed, latest_snapshot, restore_snapshot
 
         path = Path(self.broadcast(str(checkpoint_path)))
         if not is_committed(path) and (path / "latest").exists():

@@ -49,6 +49,10 @@ def is_peer_loss(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(s in str(error).lower() for s in _PEER_LOSS)
 
 
+class WorldChangeError(RuntimeError):
+    """A world change or a recovery could not complete; the process must not go on training."""
+
+
 @dataclass
 class RecoveryReport:
     step: int
@@ -85,20 +89,16 @@ def _drop_groups(meshes) -> None:
 
 
 def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
-    """The layout for ``count`` survivors: the old one when nobody was lost (a transient fault), else the
-    ElasticCallback's planner when the job has one, else the old TP degree when it still divides, else pure
-    FSDP; always one the model and the global batch accept."""
+    """The layout for ``count`` survivors: the old one when nobody was lost (a transient fault), else the one the
+    job's policy chooses (`strategy.layout_chooser`, set by the ElasticCallback), else the old TP degree when it
+    still divides, else pure FSDP; always one the model and the global batch accept."""
     strategy = switcher.strategy
-    trainer = switcher.trainer
     old = strategy.parallel_config
     candidates: list[ParallelConfig] = [old] if count == old.world_size else []
-    from dynatrain.callbacks.elastic import ElasticCallback, workload_for
-    from dynatrain.planner.layouts import choose_layout
-
-    planner = next((cb for cb in (trainer.callbacks if trainer else []) if isinstance(cb, ElasticCallback)), None)
-    if planner is not None:
+    chooser = getattr(strategy, "layout_chooser", None)
+    if chooser is not None:
         try:
-            candidates.append(choose_layout(planner.devices_for(count), workload_for(trainer)).config)
+            candidates.append(chooser(count))
         except ValueError:
             pass
     if count % old.tp == 0:
@@ -115,8 +115,6 @@ def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
 
 def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     """Every survivor: agree on who is left, re-form the world, rebuild the state from replicas."""
-    from dynatrain.strategies.switcher import WorldChangeError
-
     timer = PhaseTimer()
     strategy = switcher.strategy
     manager = strategy.elastic
@@ -130,14 +128,14 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     # Keep the local shards as plain tensors and drop everything that references the broken groups: a gloo
     # group's connections close only when its last reference goes, and a survivor still blocked in a
     # collective with this process fails at once then, instead of at the group's timeout.
-    module, optimizer = strategy.lightning_module, switcher._optimizer()
+    module, optimizer = strategy.lightning_module, switcher.optimizer()
     _reshard(module)
     captured = capture(module, optimizer, strategy.device_mesh)
     src = captured.sources
-    kept = switcher._keep_states(captured, optimizer)
-    names = switcher._release_module(module, optimizer)
+    kept = switcher.keep_states(captured, optimizer)
+    names = switcher.release_module(module, optimizer)
     switcher.released = True
-    switcher._probes.clear()  # meta builds on the old meshes
+    switcher.forget_builds()
     del optimizer
     gc.collect()
     _drop_groups([*strategy._meshes.values(), strategy._device_mesh])
@@ -168,7 +166,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     set_world(strategy, world.rank, world.world_size)
     try:
         target = survivors_target(switcher, len(survivors))
-        target_layout, _ = switcher._target_layout(target, captured, probe=True)
+        target_layout, _ = switcher.target_layout(target, captured, probe=True)
         plan, target_ranks = plan_mesh_safe(
             lambda order: plan_switch(old_layout, target_layout, lost=lost_ranks,
                                       rank_map=order or strategy.rank_map, budget_bytes=strategy.switch_budget_bytes),
@@ -183,7 +181,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     del src
     timer.lap("transfer")
     new_mesh = strategy._build_mesh(target, ranks=target_ranks)
-    switcher._adopt_module(strategy.build_target(new_mesh, target), names, new_mesh, target, target_ranks, dst, kept)
+    switcher.adopt_module(strategy.build_target(new_mesh, target), names, new_mesh, target, target_ranks, dst, kept)
     timer.lap("adopt")
     release_freed_memory()
     report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),

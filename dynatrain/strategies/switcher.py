@@ -44,7 +44,7 @@ from dynatrain.strategies.prepare import (
 from dynatrain.strategies.adopt import fill_target, restore_optimizer
 from dynatrain.strategies.capture import capture, check_switchable, target_shardings
 from dynatrain.strategies.probe import probe_mesh
-from dynatrain.strategies.recovery import is_peer_loss, recover
+from dynatrain.strategies.recovery import WorldChangeError, is_peer_loss, recover
 from dynatrain.strategies.target import release_children, transplant
 from dynatrain.strategies.switch import PhaseTimer, SwitchReport
 from dynatrain.vps.layout import Layout
@@ -69,8 +69,6 @@ class _BoundaryHook(pl.Callback):
 
 
 
-class WorldChangeError(RuntimeError):
-    """A world change could not complete; the process must not go on training."""
 
 
 @dataclass
@@ -213,8 +211,8 @@ class Switcher:
         if getattr(strategy, "lightning_module", None) is None:
             return  # nothing set up yet: the module is checked when the switch runs
         check_switchable(strategy.lightning_module, strategy.optimizers)
-        captured = capture(strategy.lightning_module, self._optimizer(), strategy.device_mesh)
-        _, built = self._target_layout(target, captured, probe=probe)
+        captured = capture(strategy.lightning_module, self.optimizer(), strategy.device_mesh)
+        _, built = self.target_layout(target, captured, probe=probe)
         if built is not None:
             self._probes[target] = built
 
@@ -306,8 +304,8 @@ class Switcher:
                        ) -> ChangeInputs:
         strategy = self.strategy
         if captured is None:
-            captured = capture(strategy.lightning_module, self._optimizer(), strategy.device_mesh)
-        target_layout, _ = self._target_layout(target, captured, probe=True)
+            captured = capture(strategy.lightning_module, self.optimizer(), strategy.device_mesh)
+        target_layout, _ = self.target_layout(target, captured, probe=True)
         return ChangeInputs.build(captured.specs, captured.shardings, target_layout.shardings,
                                   strategy.parallel_config, strategy.positions, strategy.elastic.world.members, target,
                                   leave, joiners, strategy.rank_map, strategy.switch_budget_bytes)
@@ -328,7 +326,7 @@ class Switcher:
         timer = PhaseTimer()
         strategy = self.strategy
         target = self.check(target)
-        module, optimizer = strategy.lightning_module, self._optimizer()
+        module, optimizer = strategy.lightning_module, self.optimizer()
         old_cfg, rank = strategy.parallel_config, strategy.global_rank
         budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
 
@@ -336,7 +334,7 @@ class Switcher:
         captured = capture(module, optimizer, strategy.device_mesh)
         self._agree_on(captured)
         old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=strategy.positions)
-        target_layout, probe = self._target_layout(target, captured)
+        target_layout, probe = self.target_layout(target, captured)
         plan, _ = plan_mesh_safe(
             lambda order: plan_switch(old_layout, target_layout, rank_map=order or rank_map or strategy.rank_map,
                                       budget_bytes=budget),
@@ -351,9 +349,9 @@ class Switcher:
         timer.lap("build")
 
         old_sums = local_checksums(old_layout, rank, captured.sources) if strategy.verify_switches else None
-        kept = self._keep_states(captured, optimizer)
+        kept = self.keep_states(captured, optimizer)
         src = captured.sources
-        names = self._release_module(module, optimizer)
+        names = self.release_module(module, optimizer)
         self.released = True
         del optimizer, captured
         gc.collect()
@@ -363,12 +361,12 @@ class Switcher:
         del src
         timer.lap("transfer")
 
-        self._adopt_module(probe, names, new_mesh, target, positions, dst, kept)
+        self.adopt_module(probe, names, new_mesh, target, positions, dst, kept)
         timer.lap("adopt")
 
         verified = None
         if old_sums is not None:
-            new_sums = local_checksums(plan.new, rank, capture(module, self._optimizer(), new_mesh).sources)
+            new_sums = local_checksums(plan.new, rank, capture(module, self.optimizer(), new_mesh).sources)
             verified = self._verified(compare(old_layout, old_sums, plan.new, new_sums, device=strategy.root_device),
                                       old_cfg, target)
             timer.lap("verify")
@@ -390,7 +388,7 @@ class Switcher:
             raise ValueError("the ranks hold different sets of states (names, shapes, dtypes or placements): a "
                              "module or optimizer that differs between ranks cannot be switched")
 
-    def _target_layout(self, target: ParallelConfig, captured, probe: bool = False):
+    def target_layout(self, target: ParallelConfig, captured, probe: bool = False):
         """The target layout of the captured states, from the module's parallelisation for ``target`` run on meta
         (once per layout). Within the world it runs on the target's real mesh in the default rank order, and that
         build is returned for reuse when the plan keeps the order; for another world size (``probe``) on a mesh
@@ -420,7 +418,11 @@ class Switcher:
             raise ValueError(f"state {e.args[0]!r} appeared after the target layout was built") from None
         return Layout.from_shardings(captured.specs, per_state, target), built
 
-    def _keep_states(self, captured, optimizer) -> dict:
+    def forget_builds(self) -> None:
+        """Drop the meta builds made at request time: they hold this world's meshes, which a world change ends."""
+        self._probes.clear()
+
+    def keep_states(self, captured, optimizer) -> dict:
         """What survives a switch besides the routed shards: scalars, hyper-parameters, schedules."""
         return {
             "param_of": captured.param_of, "scalars": captured.scalars,
@@ -434,7 +436,7 @@ class Switcher:
     def _param_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.strategy.lightning_module.named_parameters()}
 
-    def _release_module(self, module, optimizer) -> list[str]:
+    def release_module(self, module, optimizer) -> list[str]:
         """Drop every reference to the old shards but the engine's, so it can free each after its last send."""
         if optimizer is not None:
             optimizer.state.clear()
@@ -469,7 +471,7 @@ class Switcher:
         timer = PhaseTimer()
         strategy = self.strategy
         manager = strategy.elastic
-        module, optimizer = strategy.lightning_module, self._optimizer()
+        module, optimizer = strategy.lightning_module, self.optimizer()
         old_cfg = strategy.parallel_config
         check_switchable(module, strategy.optimizers)
         captured = capture(module, optimizer, strategy.device_mesh)
@@ -491,7 +493,7 @@ class Switcher:
         old_totals = None
         if strategy.verify_switches:
             old_totals = reduce_sums(local_checksums(old_layout, me, src), strategy.root_device)
-        kept = self._keep_states(captured, optimizer)
+        kept = self.keep_states(captured, optimizer)
         if joiners and strategy.global_rank == 0:
             manager.publish(manager.world.generation + 1, {
                 **world_plan.intent(), "target_ranks": target_ranks, "union": union,
@@ -499,9 +501,9 @@ class Switcher:
                 "param_of": kept["param_of"], "checkpoint": loop_checkpoint(self.trainer),
                 "old_totals": old_totals, "loggers": logger_versions(self.trainer),
             })
-        names = self._release_module(module, optimizer)
+        names = self.release_module(module, optimizer)
         self.released = True
-        self._probes.clear()  # meta builds on this world's meshes
+        self.forget_builds()
         del optimizer, captured
         gc.collect()
         timer.lap("release")
@@ -537,11 +539,11 @@ class Switcher:
         if not ahead:
             build(world)
             timer.lap("build")
-        self._adopt_module(moved.pop("model"), names, moved.pop("mesh"), target, target_ranks, moved.pop("dst"), kept)
+        self.adopt_module(moved.pop("model"), names, moved.pop("mesh"), target, target_ranks, moved.pop("dst"), kept)
         timer.lap("adopt")
         verified = None
         if old_totals is not None:
-            new_totals = reduce_sums(local_checksums(plan.new, me, capture(module, self._optimizer(),
+            new_totals = reduce_sums(local_checksums(plan.new, me, capture(module, self.optimizer(),
                                                                            strategy.device_mesh).sources),
                                      strategy.root_device)
             verified = self._verified(differing(old_layout, old_totals, plan.new, new_totals), old_cfg, target)
@@ -550,7 +552,7 @@ class Switcher:
         return self._report(plan, old_cfg, target, target_ranks, stats, verified, timer,
                             prepared=prepared is not None)
 
-    def _adopt_module(self, target_module, names, mesh, target: ParallelConfig, positions, dst, kept) -> None:
+    def adopt_module(self, target_module, names, mesh, target: ParallelConfig, positions, dst, kept) -> None:
         """The target copy filled with the moved states and put in place of the live module's children; the
         optimizer, schedules and data then follow the new layout."""
         strategy = self.strategy
@@ -620,7 +622,7 @@ class Switcher:
     def adopt_joined_optimizer(self) -> None:
         """After `setup_optimizers`: optimizer state and hyper-parameters as the members had them; then verify."""
         joined, strategy = self.joined, self.strategy
-        module, optimizer = strategy.lightning_module, self._optimizer()
+        module, optimizer = strategy.lightning_module, self.optimizer()
         if optimizer is not None:
             for group, old in zip(optimizer.param_groups, joined.groups):
                 group.update(old)
@@ -652,7 +654,7 @@ class Switcher:
         for guard in self.strategy.switch_guards:
             guard()
 
-    def _optimizer(self):
+    def optimizer(self):
         return self.strategy.optimizers[0] if self.strategy.optimizers else None
 
     def _verified(self, bad: list[str], old_cfg: ParallelConfig, target: ParallelConfig) -> bool:
@@ -690,6 +692,9 @@ class Switcher:
             f"{report.bytes_moved / 2**20:.1f} MiB moved of {report.bytes_total / 2**20:.1f} MiB, "
             f"stall {report.stall_s:.3f}s" + (", verified bitwise" if verified else "")
         )
+        if not strategy.detached:
+            for hook in strategy.after_switch:
+                hook(report)
         return report
 
     def _move_data(self, target: ParallelConfig) -> None:

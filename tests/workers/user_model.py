@@ -63,7 +63,7 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         # A persistent buffer the training loop changes, and a non-persistent one: both must survive a switch.
-        self.register_buffer("logit_scale", torch.ones(1))
+        self.register_buffer("logit_scale", torch.tensor(1.0))  # 0-d
         self.register_buffer("positions_seen", torch.zeros(1, dtype=torch.int64), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""The layers depend downward only: no import cycle between dynatrain's modules, the pure layers import neither
+models nor Lightning nor a process group, and strategies never import callbacks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "dynatrain"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for n in ast.walk(block)}
+    nodes = [n for n in (tree.body if top_level_only else ast.walk(tree)) if id(n) not in typing_only]
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {name: {m for m in _imports(path, top_level_only) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def test_no_import_cycle_between_modules():
+    graph = _graph(top_level_only=True)
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_pure_layers_import_no_models_lightning_or_process_group():
+    for layer in ("vps", "planner"):
+        for path in (PKG / layer).rglob("*.py"):
+            if layer == "planner" and path.name == "layouts.py":
+                continue  # the layout policy prices the zoo's models (its own layer in the architecture)
+            bad = [m for m in _imports(path, top_level_only=False)
+                   if m.startswith(("dynatrain.models", "lightning", "torch"))]
+            assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}"
+
+
+def test_strategies_never_import_callbacks():
+    for path in (PKG / "strategies").rglob("*.py"):
+        bad = [m for m in _imports(path, top_level_only=False) if m.startswith("dynatrain.callbacks")]
+        assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}"
