@@ -32,14 +32,6 @@ DEBUG = get_model_config("debug").with_overrides(n_layers=2)
 
 
 # ------------------------------------------------------------------------------------------------ fakes
-class FakeSwitcher:
-    def __init__(self) -> None:
-        self.boundary = True
-
-    def at_boundary(self) -> bool:
-        return self.boundary
-
-
 class FakeStrategy:
     """What ElasticCallback uses of DynaTrainStrategy; request_switch checks like the real one, switches at once."""
 
@@ -50,8 +42,11 @@ class FakeStrategy:
         self.switch_budget_bytes = 256 << 20
         self.switch_reports: list = []
         self.requests: list = []
-        self._switcher = FakeSwitcher()
+        self.boundary = True
         self.step = 0
+
+    def at_step_boundary(self) -> bool:
+        return self.boundary
 
     def model_config(self):
         return DEBUG
@@ -237,10 +232,10 @@ def test_checks_only_at_boundaries_every_n_steps(tmp_path):
     strategy = FakeStrategy("dp_shard=2")
     trainer = _trainer(strategy, tmp_path)
     cb = _started(ElasticCallback(trace=[(1, "tp=2")], check_every_n_steps=3, log_dir=str(tmp_path)), trainer)
-    strategy._switcher.boundary = False
+    strategy.boundary = False
     _step(cb, trainer, 3)
     assert not cb.decisions  # mid-accumulation: nothing is agreed
-    strategy._switcher.boundary = True
+    strategy.boundary = True
     for step in (1, 2):
         _step(cb, trainer, step)
     assert not cb.decisions

@@ -14,6 +14,7 @@ import torch
 from _launch import launch, launch_elastic
 
 from dynatrain.strategies.capture import BUFFER, capture, check_switchable
+from dynatrain.vps import ParallelConfig
 
 SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
 
@@ -78,6 +79,18 @@ def test_a_factored_optimizer_is_refused_at_request_time_and_training_goes_on(tm
         assert res["untouched"] == [True]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_parallelisation_that_fails_for_the_target_is_refused_at_request_time(tmp_path):
+    results = launch("user_switch.py", 2, ["--layout", "dp_shard=2", "--steps", "3", "--heads", "1",
+                                            "--bad", "1:tp=2"], tmp_path)
+    for res in results:
+        assert res["reports"] == [] and res["layout"] == "dp_shard=2" and len(res["losses"]) == 3
+        [error] = res["errors"]
+        assert "parallelisation failed for tp=2" in error and "does not divide the 1 attention heads" in error
+        assert res["untouched"] == [True]
+
+
 _ROOT = types.SimpleNamespace(mesh=torch.arange(1).view(1, 1, 1))
 
 
@@ -102,7 +115,7 @@ def test_optimizer_tensors_of_the_parameters_shape_are_routed_and_scalars_kept(n
     assert {n for n, (_, key) in cap.param_of.items() if key == BUFFER} == {"logit_scale", "positions_seen"}
 
 
-def test_tied_weights_a_factored_optimizer_and_a_sharded_lightning_module_are_refused():
+def test_tied_weights_a_factored_optimizer_and_two_optimizers_are_refused():
     from workers.user_model import OPTIMIZERS, TinyLM
 
     model = TinyLM(layers=1)
@@ -121,16 +134,21 @@ def test_tied_weights_a_factored_optimizer_and_a_sharded_lightning_module_are_re
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_selfcheck_module_checks_a_users_own_module_against_the_dcp_oracle():
+@pytest.mark.parametrize("layouts", [
+    ["dp_shard=4", *SEQUENCE],
+    ["dp_shard=4", "dp_shard=3", "dp_shard=2,tp=2"],  # an elastic job: one process leaves, a new one joins
+], ids=["fixed-world", "elastic"])
+def test_selfcheck_module_checks_a_users_own_module_against_the_dcp_oracle(layouts):
     tests = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests / "workers"), str(tests.parent)]))
-    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", "user_model:UserLM", "--devices", "4",
-           "--switches", " > ".join(["dp_shard=4", *SEQUENCE]), "--steps-between", "1", "--json"]
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", "user_model:UserLM",
+           "--switches", " > ".join(layouts), "--steps-between", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["model"] == "user_model:UserLM"
-    assert [s["to"] for s in result["switches"]] == SEQUENCE
+    assert [s["to"] for s in result["switches"]] == layouts[1:]
+    assert result["worlds"] == [ParallelConfig.parse(p).world_size for p in layouts]
     # every switch equals the DCP oracle bit for bit, and so does the step after it
     assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in result["switches"])
     assert result["loss_max_rel_diff"] <= 1e-5

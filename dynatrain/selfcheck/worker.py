@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 import warnings
 from pathlib import Path
 
@@ -68,6 +67,9 @@ class ScriptedSwitches(pl.Callback):
         if self.shadow is not None:
             self._shadow_micro_batch(trainer, pl_module, batch)
         strategy = trainer.strategy
+        if self._armed is not None and not strategy.switch_pending:  # refused, or a scale-out that timed out
+            self.results.append(self._record(self._armed[0], self._armed[1], None))
+            self._armed = None
         index = self.next
         if index >= len(self.layouts) - 1 or trainer.global_step != (index + 1) * self.steps_between:
             return
@@ -75,15 +77,9 @@ class ScriptedSwitches(pl.Callback):
             return
         self.next += 1
         self._armed = (index, strategy.world_size)
-        target = self.layouts[index + 1]
-        if target.world_size == strategy.world_size:
-            strategy.request_switch(target)  # runs at this boundary, after the module's own hooks
-        else:
-            world_from = strategy.world_size
-            report = self._switch(strategy, target)
-            if report is None or strategy.detached:  # dropped, or this process left: nothing to compare here
-                self._armed = None
-                self.results.append(self._record(index, world_from, report))
+        # At this boundary, after the module's own hooks, as any switch; a scale-out holds training until its
+        # joiners are ready, so that the switch is the one of this step.
+        strategy.request_switch(self.layouts[index + 1], wait=True)
 
     def _save(self, trainer, pl_module) -> None:
         if self._armed is not None and self.check:
@@ -95,22 +91,8 @@ class ScriptedSwitches(pl.Callback):
         (index, world_from), self._armed = self._armed, None
         record = self._record(index, world_from, report)
         self.results.append(record)
-        self._compare(trainer, pl_module, record)
-
-    def _switch(self, strategy, target: ParallelConfig):
-        """Run the switch to ``target`` now, at this boundary, and return its report (None if it was dropped).
-
-        A world change goes through `request_switch` like any elastic job's, but is driven here until it ran:
-        a scale-out would otherwise wait for its joiners across later steps, and the oracle's checkpoint holds
-        the state of this boundary.
-        """
-        done = len(strategy.switch_reports)
-        strategy.request_switch(target)
-        while strategy.switch_pending:
-            strategy.run_pending_switch()  # every rank gets rank 0's view of the ready joiners: all stay in step
-            if strategy.switch_pending:
-                time.sleep(0.2)
-        return strategy.switch_reports[-1] if len(strategy.switch_reports) > done else None
+        if not trainer.strategy.detached:
+            self._compare(trainer, pl_module, record)
 
     def _checkpoint(self, index: int) -> Path:
         return self.workdir / f"before-switch-{index}"

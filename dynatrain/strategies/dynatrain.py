@@ -122,7 +122,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # Called on every rank before a switch moves any state (e.g. to finish an in-flight asynchronous
         # snapshot, whose background collectives would otherwise meet the old groups being torn down).
         self.switch_guards: list = []
-        # Called on every process of the new world with the SwitchReport once a switch completed.
+        # Called with the SwitchReport once a switch completed, on every process of the new world and on a process
+        # that left (its report's world_size is 0).
         self.after_switch: list = []
         self._template: ModuleTemplate | None = None  # the LightningModule before configure_model(), on meta
         self._target: tuple[DeviceMesh, ParallelConfig] | None = None  # set while a target layout is built
@@ -344,16 +345,19 @@ class DynaTrainStrategy(ModelParallelStrategy):
         returns its `SwitchReport` or None. Every rank calls it at the same point."""
         return self._switcher.run_pending()
 
-    def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = ()) -> ParallelConfig:
+    def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = (), wait: bool = False
+                       ) -> ParallelConfig:
         """Switch to ``target`` at the next optimizer-step boundary (now, if training is at one).
 
         The target is checked at once: a layout that does not fit the devices or the model, or whose
         data-parallel size cannot keep the global batch, raises ValueError and nothing changes.
         Every rank must make the same request. In an elastic job the target may have another world size:
         ``leave`` names ranks that must go (others are chosen by the planner when the target is smaller);
-        a larger target waits at step boundaries for enough ready joiners (`dynatrain join`).
+        a larger target waits at step boundaries for enough ready joiners (`dynatrain join`), training on
+        meanwhile, or, with ``wait=True``, holds training at the next boundary until they are ready (dropped after
+        the elastic ``join_timeout`` either way).
         """
-        return self._switcher.request(target, leave)
+        return self._switcher.request(target, leave, wait)
 
     # ---- collectives of a process outside the training world ----------------------------------------------
     def barrier(self, name: str | None = None) -> None:

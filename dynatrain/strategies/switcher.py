@@ -71,11 +71,16 @@ class _BoundaryHook(pl.Callback):
 
 
 
+class _BuildFailed(Exception):
+    """The module's own parallelisation raised (its ``__cause__``) while a target layout was built."""
+
+
 @dataclass
 class _Pending:
     target: ParallelConfig
     leave: tuple[int, ...]
     requested_at: float
+    wait: bool = False  # a scale-out holds training at its boundary until its joiners are ready (or time out)
 
 
 class Switcher:
@@ -216,13 +221,13 @@ class Switcher:
         if built is not None:
             self._probes[target] = built
 
-    def request(self, target: str | ParallelConfig, leave=()) -> ParallelConfig:
+    def request(self, target: str | ParallelConfig, leave=(), wait: bool = False) -> ParallelConfig:
         leave = tuple(sorted({int(r) for r in leave}))
         parsed = ParallelConfig.parse(target)
         self.check_world(parsed, leave)
         target = self.check(parsed, world_size=parsed.world_size)
         self._check_module(target, probe=parsed.world_size != self.strategy.world_size or bool(leave))
-        self.pending = _Pending(target, leave, time.monotonic())
+        self.pending = _Pending(target, leave, time.monotonic(), wait)
         self.prepared = None
         if self.trainer is None or not self.trainer.training:
             self.run_pending()
@@ -242,6 +247,9 @@ class Switcher:
         change = f"world change {strategy.parallel_config.short()} -> {p.target.short()}"
         try:
             joiners = self._agree_on_joiners(p)
+            while joiners is None and p.wait:  # every rank waits alike: each round is one broadcast from rank 0
+                time.sleep(0.2)
+                joiners = self._agree_on_joiners(p)
             if joiners is None:
                 return None  # not enough joiners ready yet: ask again at the next boundary
             self.pending = None
@@ -400,16 +408,15 @@ class Switcher:
             try:
                 if probe:
                     with probe_mesh(target, strategy.root_device.type) as mesh:
-                        per_param = target_shardings(strategy.build_target(mesh, target), mesh, captured)
+                        per_param = target_shardings(self._build(mesh, target), mesh, captured)
                 else:
                     mesh = strategy._build_mesh(target)
-                    built = strategy.build_target(mesh, target)
+                    built = self._build(mesh, target)
                     per_param = target_shardings(built, mesh, captured)
-            except ValueError:
-                raise
-            except Exception as e:
+            except _BuildFailed as e:
+                cause = e.__cause__
                 raise ValueError(f"the model's parallelisation failed for {target.short()} (run on the meta device): "
-                                 f"{type(e).__name__}: {e}") from e
+                                 f"{type(cause).__name__}: {cause}") from cause
             shardings = {captured.param_of[s.name][0]: sh for s, sh in zip(captured.specs, per_param)}
             self._target_shardings[target] = shardings
         try:
@@ -417,6 +424,12 @@ class Switcher:
         except KeyError as e:
             raise ValueError(f"state {e.args[0]!r} appeared after the target layout was built") from None
         return Layout.from_shardings(captured.specs, per_state, target), built
+
+    def _build(self, mesh, target: ParallelConfig):
+        try:
+            return self.strategy.build_target(mesh, target)
+        except Exception as e:
+            raise _BuildFailed() from e
 
     def forget_builds(self) -> None:
         """Drop the meta builds made at request time: they hold this world's meshes, which a world change ends."""
@@ -692,9 +705,8 @@ class Switcher:
             f"{report.bytes_moved / 2**20:.1f} MiB moved of {report.bytes_total / 2**20:.1f} MiB, "
             f"stall {report.stall_s:.3f}s" + (", verified bitwise" if verified else "")
         )
-        if not strategy.detached:
-            for hook in strategy.after_switch:
-                hook(report)
+        for hook in strategy.after_switch:
+            hook(report)
         return report
 
     def _move_data(self, target: ParallelConfig) -> None:

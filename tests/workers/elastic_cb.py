@@ -51,7 +51,7 @@ class Script(pl.Callback):
         self.bar_layout = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not trainer.strategy._switcher.at_boundary():
+        if not trainer.strategy.at_step_boundary():
             return
         due = [a for a in self.actions if a[0] == trainer.global_step]
         for action in due:

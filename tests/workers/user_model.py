@@ -58,6 +58,7 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 256, dim: int = 32, heads: int = 4, hidden: int = 72, layers: int = 2) -> None:
         super().__init__()
+        self.heads = heads
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
@@ -133,16 +134,20 @@ OPTIMIZERS = {
 class UserLM(pl.LightningModule):
     """``build_in="init"``: the model is made in __init__; ``"configure"``: in configure_model (guarded)."""
 
-    def __init__(self, optimizer: str = "adamw", build_in: str = "init") -> None:
+    def __init__(self, optimizer: str = "adamw", build_in: str = "init", heads: int = 4) -> None:
         super().__init__()
         self.optimizer_name = optimizer
-        self.net = TinyLM() if build_in == "init" else None
+        self.heads = heads
+        self.net = TinyLM(heads=heads) if build_in == "init" else None
         self.step_losses: list[float] = []
         self._micro: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
+        tp = self.device_mesh["tensor_parallel"].size()
+        if self.heads % tp:
+            raise ValueError(f"tp={tp} does not divide the {self.heads} attention heads")
         if self.net is None:
-            self.net = TinyLM()
+            self.net = TinyLM(heads=self.heads)
         elif any(hasattr(m, "reshard") for m in self.net.modules()):
             return  # already parallelised: Lightning asks this hook to be idempotent
         parallelize(self.net, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
