@@ -12,8 +12,9 @@ import json
 import sys
 import time
 
-from dynatrain.models.specs import layout_for_model
+from dynatrain.memory import freeze_import_time_objects
 from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import STATE_KINDS
@@ -88,6 +89,7 @@ def compute(args: argparse.Namespace) -> dict:
     budget = max(1, int(args.budget_mb * (1 << 20)))
     network = NetworkModel(args.gpus_per_node or 8, args.link_gbps, args.nics_per_node, args.intra_node_gbps)
 
+    freeze_import_time_objects()  # what the planner's imports made is never garbage: keep collections cheap
     start = time.perf_counter()
     old = layout_for_model(model, args.old, args.state)
     plan = plan_switch(old, args.new, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
