@@ -2,8 +2,8 @@
 
 A scale-out waits across optimizer-step boundaries until enough joiners are ready, and joiners take seconds to
 get there (imports, Trainer, data). Meanwhile every member plans the world change in a background thread: the
-routing plan (pure Python, up to a second for a 70B model on a thousand ranks), the target generation's rank order and
-the target model's skeleton on the meta device.
+routing plan (pure Python, up to a second for a 70B model on a thousand ranks) and the target generation's rank
+order, from the target's placements probed when the change was requested.
 
 A plan works on process ids, the indices of the sorted union of members and joiners. Joiner ids carry the job's
 joiner counter, so joiners sort after every current member, and the plan does not depend on which joiners come:
