@@ -272,11 +272,13 @@ class DynaTrainStrategy(ModelParallelStrategy):
             else:
                 self._parallelize_children(module)
 
-        self._target = (mesh, pcfg)
+        # While the target is built, the strategy answers with its layout, as the module's mesh does.
+        self._target, current = (mesh, pcfg), self.parallel_config
+        self.parallel_config = pcfg
         try:
             target = self._template.build(mesh, parallelize)
         finally:
-            self._target = None
+            self._target, self.parallel_config = None, current
         return self.precision_plugin.convert_module(target)
 
     def setup(self, trainer: Trainer) -> None:

@@ -174,3 +174,48 @@ class UserLM(pl.LightningModule):
         opt = OPTIMIZERS[self.optimizer_name](self.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class MoELM(pl.LightningModule):
+    """A LightningModule around the zoo's mixture-of-experts decoder, parallelised with its own parallelize_fn in
+    configure_model(); the router's balancing state (expert bias, token counts) lives in buffers."""
+
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__()
+        from dynatrain.models.moe import MoETransformer
+        from dynatrain.models.moe_configs import MOE_CONFIGS
+
+        self.optimizer_name = optimizer
+        self.net = MoETransformer(MOE_CONFIGS["moe-debug"].with_overrides(bias_update_rate=1e-2))
+        self.net.init_weights()
+        self.step_losses: list[float] = []
+        self._micro: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        from dynatrain.models.moe import parallelize_moe
+
+        if not any(hasattr(m, "reshard") for m in self.net.modules()):
+            # During a switch this hook runs for the target: the strategy's parallel_config is the target's then.
+            parallelize_moe(self.net, self.device_mesh, self.trainer.strategy.parallel_config)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        loss = F.cross_entropy(self.net(tokens).flatten(0, 1), labels.flatten())
+        self._micro.append(loss.detach())
+        return loss + self.net.aux_loss()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        loss = torch.stack(self._micro).mean()
+        torch.distributed.all_reduce(loss)
+        self.step_losses.append(loss.item() / torch.distributed.get_world_size())
+        self._micro.clear()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.fit_loop.epoch_loop._accumulated_batches_reached():
+            for block in self.net.layers.values():
+                counts = block.moe.tokens_per_expert.clone()
+                torch.distributed.all_reduce(counts)  # every rank moves the bias by the job's load
+                block.moe.update_expert_bias(counts)
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer_name](self.parameters())

@@ -13,7 +13,7 @@ from dynatrain.data import LlamaDataModule
 from dynatrain.launcher import finish_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
-from user_model import UserLM  # noqa: E402
+from user_model import MoELM, UserLM  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--build-in", default="init")
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--moe", action="store_true", help="train MoELM (the zoo's MoE decoder) instead of UserLM")
     args = ap.parse_args()
     parse = lambda text: [(int(s.split(":")[0]), s.split(":", 1)[1]) for s in text.split(";") if s]  # noqa: E731
     pl.seed_everything(1234, verbose=False)
@@ -68,18 +69,22 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[script],
     )
-    module = UserLM(args.optimizer, args.build_in, args.heads)
+    module = MoELM(args.optimizer) if args.moe else UserLM(args.optimizer, args.build_in, args.heads)
     data = LlamaDataModule(seq_len=32, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=200_000)
     trainer.fit(module, datamodule=data)
     opt = strategy.optimizers[0]
+    if args.moe:
+        net = module.net
+        extra = {"expert_bias": [b.moe.expert_bias.tolist() for b in net.layers.values()]}
+    else:
+        extra = {"logit_scale": module.net.logit_scale.item(), "positions_seen": int(module.net.positions_seen.item())}
     result = {
         "losses": module.step_losses,
         "layout": strategy.parallel_config.short(),
         "reports": [r.as_dict() for r in strategy.switch_reports],
         "errors": script.errors,
         "untouched": script.untouched,
-        "logit_scale": module.net.logit_scale.item(),
-        "positions_seen": int(module.net.positions_seen.item()),
+        **extra,
         "lr": opt.param_groups[0]["lr"],
         "state_keys": sorted({k for st in opt.state.values() for k in st}),
     }

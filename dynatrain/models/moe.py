@@ -1,0 +1,264 @@
+"""A mixture-of-experts decoder (Qwen3-MoE / Mixtral family). No parallelism inside.
+
+Each block is GQA attention (optional per-head q/k norm) and an MoE feed-forward: a token-choice top-k router
+(softmax or sigmoid scores, optionally renormalised top-k weights), routed experts stored stacked (``w1``, ``w3``:
+``[E, F, D]``, ``w2``: ``[E, D, F]``) and computed in one ``torch._grouped_mm`` over the tokens sorted by expert,
+and an optional shared expert every token passes through. Load is balanced by an auxiliary loss
+(``aux_loss()``, to add to the training loss) and/or, without a loss, by an expert bias added to the scores for
+the choice only, moved after each optimizer step from the tokens each expert received (``update_expert_bias``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynatrain.models.init import init_slice
+from dynatrain.models.llama import (
+    FeedForward,
+    RMSNorm,
+    _local_box,
+    _local_tensor,
+    apply_rotary_emb,
+    precompute_freqs_cis,
+)
+from dynatrain.models.moe_configs import MoEConfig
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class MoEAttention(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        hd = self.head_dim = cfg.attn_head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class Router(nn.Module):
+    """Token-choice top-k: which experts each token goes to, and with what weight."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.top_k, self.score_func, self.route_norm = cfg.top_k, cfg.score_func, cfg.route_norm
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None):
+        """x: [T, D] -> (weights [T, k], experts [T, k], scores [T, E] in fp32)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        # The bias steers the choice only; the weights stay the unbiased scores (auxiliary-loss-free balancing).
+        choice = scores if expert_bias is None else scores + expert_bias
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.route_norm and self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts, scores
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored stacked; tokens arrive sorted by expert with the count each expert gets."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        e, f, d = cfg.n_experts, cfg.moe_ffn_dim, cfg.dim
+        self.w1 = nn.Parameter(torch.empty(e, f, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, f))
+        self.w3 = nn.Parameter(torch.empty(e, f, d))
+        self.use_grouped_mm = _HAS_GROUPED_MM
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (_local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        if self.use_grouped_mm:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        return expert_loop(x, counts, w1, w2, w3)
+
+
+def expert_loop(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+    """The per-expert loop the grouped kernel replaces (and equals)."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start:start + n]
+        out.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        start += n
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.load_balance_coeff, self.bias_update_rate = cfg.load_balance_coeff, cfg.bias_update_rate
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg)
+        self.shared_expert = (FeedForward(_SharedShape(cfg.dim, cfg.shared_ffn_dim)) if cfg.shared_ffn_dim
+                              else None)
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=True)
+        # Tokens each expert received since the last bias update: the load metric and the bias update's input.
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=True)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        bias = self.expert_bias if self.bias_update_rate > 0 else None
+        weights, experts, scores = self.router(tokens, bias)
+        flat = experts.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        routed = self.experts(tokens[token_of], counts)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add(0, token_of, routed.to(tokens.dtype))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        with torch.no_grad():
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        self.aux_loss = None
+        if self.training and self.load_balance_coeff > 0:
+            # Switch-Transformer balance: E * sum_e (share of the token choices e got) * (e's mean score).
+            share = counts.to(scores.dtype) / flat.numel()
+            self.aux_loss = self.load_balance_coeff * self.n_experts * (share * scores.mean(0)).sum()
+        return out.view(bsz, seq, dim)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:
+        """After an optimizer step: move each expert's bias toward the mean load (up when it got fewer tokens
+        than the mean), then start counting again. ``tokens_per_expert``: the counts summed over the
+        data-parallel ranks (default: this rank's)."""
+        counts = self.tokens_per_expert if tokens_per_expert is None else tokens_per_expert
+        if self.bias_update_rate > 0:
+            self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
+        self.tokens_per_expert.zero_()
+
+
+class _SharedShape:
+    """What `FeedForward` reads of a config: a SwiGLU of ``ffn_dim`` on ``dim``."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        self.dim, self.ffn_dim = dim, ffn_dim
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.attention = MoEAttention(cfg)
+        self.moe = MoE(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
+
+    def _freqs_cis(self, device=None) -> torch.Tensor:
+        c = self.config
+        return precompute_freqs_cis(c.attn_head_dim, c.max_seq_len, c.rope_theta, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing losses of the last forward, summed over layers (None when off)."""
+        losses = [layer.moe.aux_loss for layer in self.layers.values() if layer.moe.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Every parameter (plain or DTensor) from its layout-independent initial value, seeded per parameter
+        and row block as the dense zoo's; an expert is one row of its stacked tensor."""
+        cfg = self.config
+        for name, param in self.named_parameters():
+            shape, offset = _local_box(param)
+            value = init_slice(name, tuple(param.shape), offset, shape, moe_init_std(name, cfg), cfg.init_seed)
+            _local_tensor(param).copy_(value.reshape(_local_tensor(param).shape))
+        self.init_buffers(buffer_device or self.freqs_cis.device)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the non-persistent buffers (after `to_empty`); the routers' start at zero."""
+        self.freqs_cis = self._freqs_cis(device=device)
+        for layer in self.layers.values():
+            layer.moe.expert_bias.zero_()
+            layer.moe.tokens_per_expert.zero_()
+
+
+def moe_init_std(name: str, cfg: MoEConfig) -> float | None:
+    """None means "ones" (norm weights); otherwise the normal std of that parameter."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.startswith("output."):
+        return cfg.dim ** -0.5
+    if name.endswith(("attention.wo.weight", "moe.experts.w2", "shared_expert.w2.weight")):
+        return 0.02 / (2 * cfg.n_layers) ** 0.5  # residual-branch outputs, scaled down with depth
+    return 0.02
+
+
+def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoETransformer:
+    """Data and tensor parallelism for the MoE decoder (expert parallelism is not built yet): attention heads,
+    embeddings and the output projection split over ``tp`` as in the dense model, the MoE feed-forward whole on
+    every TP rank; then FSDP2 on each block and the root over the data-parallel ranks, which shards the stacked
+    experts on their expert dimension."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dynatrain.models.parallelize import dp_submesh
+
+    cfg = model.config
+    tp = mesh["tp"]
+    if tp.size() > 1:
+        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("vocab_size", cfg.vocab_size)):
+            if n % tp.size():
+                raise ValueError(f"tp={tp.size()} does not divide {what}={n} of model {cfg.name!r}: choose a tp "
+                                 f"that divides {n}")
+        parallelize_module(model, tp, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        })
+        for block in model.layers.values():
+            parallelize_module(block, tp, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Replicate()),
+            })
+    kwargs = {"mesh": dp_submesh(mesh, pcfg)}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
