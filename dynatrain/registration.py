@@ -13,19 +13,13 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-NAME = "dynatrain"
 _TARGET = "lightning.pytorch"
 
 
 def register() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
+    import dynatrain.strategies.dynatrain  # noqa: F401  (the strategy's module registers it when it loads)
     from dynatrain.memory import freeze_import_time_objects
-    from dynatrain.strategies.dynatrain import DynaTrainStrategy
 
-    if NAME not in StrategyRegistry:
-        StrategyRegistry.register(NAME, DynaTrainStrategy,
-                                  description="FSDP2 + tensor parallelism with online layout switching")
     freeze_import_time_objects()  # Lightning's and torch's import-time objects too
 
 

@@ -57,23 +57,29 @@ class ModelConfig:
         return shapes
 
     def num_params(self) -> int:
-        total = 0
-        for shape in self.param_shapes().values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(numel(s) for s in self.param_shapes().values())
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def with_overrides(self, **overrides) -> "ModelConfig":
-        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
-        if unknown:
-            raise ValueError(f"unknown model field(s) {unknown} in model_overrides; known: "
-                             f"{[f.name for f in fields(self)]}")
-        return replace(self, **overrides)
+        return with_overrides(self, overrides)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def with_overrides(config, overrides: dict):
+    """``config`` (a dataclass) with some fields replaced; an unknown field is named with the known ones."""
+    unknown = sorted(set(overrides) - {f.name for f in fields(config)})
+    if unknown:
+        raise ValueError(f"unknown model field(s) {unknown} in model_overrides; known: "
+                         f"{[f.name for f in fields(config)]}")
+    return replace(config, **overrides)
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {

@@ -31,7 +31,7 @@ def init_std(name: str, model_dim: int, n_layers: int) -> float | None:
         return None
     if name.startswith("output."):
         return model_dim ** -0.5
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "moe.experts.w2", "shared_expert.w2.weight")):
         # Residual-branch outputs are scaled down with depth, as in GPT-2 / torchtitan.
         return 0.02 / (2 * n_layers) ** 0.5
     return 0.02

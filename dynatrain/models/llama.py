@@ -43,20 +43,26 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """GQA attention with RoPE; ``qk_norm`` adds a per-head RMSNorm of queries and keys (Qwen3)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool = False,
+                 norm_eps: float = 1e-5):
         super().__init__()
-        self.head_dim = cfg.head_dim
-        kv_dim = cfg.n_kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -64,11 +70,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, dim: int, ffn_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -77,8 +83,8 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attention = Attention(cfg)
-        self.feed_forward = FeedForward(cfg)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 

@@ -14,42 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynatrain.models.init import init_slice
+from dynatrain.models.init import init_slice, init_std
 from dynatrain.models.llama import (
+    Attention,
     FeedForward,
     RMSNorm,
     _local_box,
     _local_tensor,
-    apply_rotary_emb,
     precompute_freqs_cis,
 )
 from dynatrain.models.moe_configs import MoEConfig
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-
-
-class MoEAttention(nn.Module):
-    def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        hd = self.head_dim = cfg.attn_head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, k, freqs_cis)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 class Router(nn.Module):
@@ -111,8 +87,7 @@ class MoE(nn.Module):
         self.load_balance_coeff, self.bias_update_rate = cfg.load_balance_coeff, cfg.bias_update_rate
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg)
-        self.shared_expert = (FeedForward(_SharedShape(cfg.dim, cfg.shared_ffn_dim)) if cfg.shared_ffn_dim
-                              else None)
+        self.shared_expert = FeedForward(cfg.dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=True)
         # Tokens each expert received since the last bias update: the load metric and the bias update's input.
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=True)
@@ -152,17 +127,10 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-class _SharedShape:
-    """What `FeedForward` reads of a config: a SwiGLU of ``ffn_dim`` on ``dim``."""
-
-    def __init__(self, dim: int, ffn_dim: int) -> None:
-        self.dim, self.ffn_dim = dim, ffn_dim
-
-
 class MoEBlock(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        self.attention = MoEAttention(cfg)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.attn_head_dim, cfg.qk_norm, cfg.norm_eps)
         self.moe = MoE(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -204,7 +172,8 @@ class MoETransformer(nn.Module):
         cfg = self.config
         for name, param in self.named_parameters():
             shape, offset = _local_box(param)
-            value = init_slice(name, tuple(param.shape), offset, shape, moe_init_std(name, cfg), cfg.init_seed)
+            value = init_slice(name, tuple(param.shape), offset, shape, init_std(name, cfg.dim, cfg.n_layers),
+                               cfg.init_seed)
             _local_tensor(param).copy_(value.reshape(_local_tensor(param).shape))
         self.init_buffers(buffer_device or self.freqs_cis.device)
 
@@ -216,27 +185,15 @@ class MoETransformer(nn.Module):
             layer.moe.tokens_per_expert.zero_()
 
 
-def moe_init_std(name: str, cfg: MoEConfig) -> float | None:
-    """None means "ones" (norm weights); otherwise the normal std of that parameter."""
-    if name.endswith("norm.weight"):
-        return None
-    if name.startswith("output."):
-        return cfg.dim ** -0.5
-    if name.endswith(("attention.wo.weight", "moe.experts.w2", "shared_expert.w2.weight")):
-        return 0.02 / (2 * cfg.n_layers) ** 0.5  # residual-branch outputs, scaled down with depth
-    return 0.02
-
-
 def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoETransformer:
     """Data and tensor parallelism for the MoE decoder (expert parallelism is not built yet): attention heads,
     embeddings and the output projection split over ``tp`` as in the dense model, the MoE feed-forward whole on
     every TP rank; then FSDP2 on each block and the root over the data-parallel ranks, which shards the stacked
     experts on their expert dimension."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from dynatrain.models.parallelize import dp_submesh
+    from dynatrain.models.parallelize import apply_fsdp, dp_submesh
 
     cfg = model.config
     tp = mesh["tp"]
@@ -254,11 +211,4 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
                 "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Replicate()),
             })
-    kwargs = {"mesh": dp_submesh(mesh, pcfg)}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return apply_fsdp(model, dp_submesh(mesh, pcfg), mp_policy=mp_policy)

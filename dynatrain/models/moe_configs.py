@@ -7,7 +7,9 @@ expert parallelism shards on dim 0.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
+
+from dynatrain.models.configs import numel, with_overrides
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -88,13 +90,13 @@ class MoEConfig:
         return shapes
 
     def num_params(self) -> int:
-        return sum(_numel(s) for s in self.param_shapes().values())
+        return sum(numel(s) for s in self.param_shapes().values())
 
     def active_params(self) -> int:
         """Parameters one token passes through: every routed expert's share is top_k / n_experts."""
         total = 0
         for name, shape in self.param_shapes().items():
-            n = _numel(shape)
+            n = numel(shape)
             total += n * self.top_k // self.n_experts if ".moe.experts." in name else n
         return total
 
@@ -102,18 +104,7 @@ class MoEConfig:
         return asdict(self)
 
     def with_overrides(self, **overrides) -> "MoEConfig":
-        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
-        if unknown:
-            raise ValueError(f"unknown model field(s) {unknown} in model_overrides; known: "
-                             f"{[f.name for f in fields(self)]}")
-        return replace(self, **overrides)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return with_overrides(self, overrides)
 
 
 MOE_CONFIGS: dict[str, MoEConfig] = {

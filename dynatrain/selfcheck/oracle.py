@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
 
 from dynatrain.strategies.capture import local_tensor
+from dynatrain.strategies.target import param_children
 
 
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -26,9 +27,8 @@ def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, tor
     module's own parallelisation and filled from the checkpoint at path by DCP. Buffers DCP does not hold
     (non-persistent ones) are the live module's."""
     fresh = strategy.build_target(strategy.device_mesh, strategy.parallel_config)
-    for child in fresh.children():
-        if next(child.parameters(), None) is not None:
-            child.to_empty(device=strategy.root_device)
+    for name in param_children(fresh):
+        fresh._modules[name].to_empty(device=strategy.root_device)
     live_buffers = dict(module.named_buffers())
     with torch.no_grad():
         for name, b in fresh.named_buffers():

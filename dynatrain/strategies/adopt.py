@@ -26,7 +26,8 @@ def fill_target(target: nn.Module, names: list[str], dst: dict[str, torch.Tensor
             new = dst.pop(name)
             local = local_tensor(p)
             if new.shape != local.shape:
-                raise RuntimeError(f"{name}: the switch produced {tuple(new.shape)}, the target holds {tuple(local.shape)}")
+                raise RuntimeError(f"{name}: the switch produced {tuple(new.shape)}, "
+                                   f"the target holds {tuple(local.shape)}")
             local.copy_(new)
             del new
         for name, b in target.named_buffers():

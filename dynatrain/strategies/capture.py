@@ -13,6 +13,7 @@ element): a process keeps its own values through a switch and a joining process 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,8 +109,6 @@ class Captured:
 
     def fingerprint(self) -> int:
         """A number equal on every rank when every rank captured the same specs (all-reduced before planning)."""
-        import hashlib
-
         text = repr([(s.name, s.shape, s.dtype, str(sh)) for s, sh in zip(self.specs, self.shardings)])
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 

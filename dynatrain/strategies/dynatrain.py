@@ -9,9 +9,9 @@ LightningModule does not parallelise its model in `configure_model`. It never na
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # that left (its report's world_size is 0).
         self.after_switch: list = []
         self._template: ModuleTemplate | None = None  # the LightningModule before configure_model(), on meta
-        self._target: tuple[DeviceMesh, ParallelConfig] | None = None  # set while a target layout is built
+        self._target_mesh: DeviceMesh | None = None  # set while a target layout is built
         # The job's layout policy for a number of processes (set by dynatrain.callbacks.ElasticCallback): what the
         # survivors of a lost process go on with.
         self.layout_chooser = None
@@ -234,9 +234,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
                     ) -> nn.Module:
         """Apply ``parallelize_fn`` to a model for a layout (default: the current one, or the target a switch is
         building)."""
-        target_mesh, target_pcfg = self._target or (None, None)
-        mesh = mesh or target_mesh or self.device_mesh
-        pcfg = pcfg or target_pcfg or self.parallel_config
+        mesh = mesh or self._target_mesh or self.device_mesh
+        pcfg = pcfg or self.parallel_config
         assert pcfg is not None
         return self.parallelize_fn(model, mesh, pcfg)
 
@@ -245,12 +244,11 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # Entered right before Lightning calls configure_model(): the module as the user built it is the template
         # every target layout is parallelised from.
         self._keep_template()
-        joining = self._switcher is not None and self._switcher.joined is not None
-        if joining:
+        if self._joining:
             # A joining process receives every value; its parallelisation must not scatter initial weights with
             # collectives the members are not part of, so it runs on meta, as a target layout does.
             to_meta(self.lightning_module)
-        with super().model_sharded_context(), torch.device("meta") if joining else nullcontext():
+        with super().model_sharded_context(), torch.device("meta") if self._joining else nullcontext():
             yield
 
     def _keep_template(self) -> None:
@@ -270,15 +268,15 @@ class DynaTrainStrategy(ModelParallelStrategy):
                 with self.precision_plugin.module_init_context():
                     module.configure_model()
             else:
-                self._parallelize_children(module)
+                self.parallelize(module)
 
         # While the target is built, the strategy answers with its layout, as the module's mesh does.
-        self._target, current = (mesh, pcfg), self.parallel_config
+        self._target_mesh, current = mesh, self.parallel_config
         self.parallel_config = pcfg
         try:
             target = self._template.build(mesh, parallelize)
         finally:
-            self._target, self.parallel_config = None, current
+            self._target_mesh, self.parallel_config = None, current
         return self.precision_plugin.convert_module(target)
 
     def setup(self, trainer: Trainer) -> None:
@@ -286,8 +284,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self._keep_template()
         if not is_overridden("configure_model", self.lightning_module):
-            self._parallelize_children()
-        joining = self._switcher is not None and self._switcher.joined is not None
+            self.parallelize(self.model)
+        joining = self._joining
         if joining:
             self._switcher.adopt_joined_module()  # the members wait in the transfer, whatever this module holds
         else:
@@ -310,9 +308,6 @@ class DynaTrainStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize_children(self, root=None) -> None:
-        self.parallelize(root or self.model)
-
     def _set_accumulation(self, trainer: Trainer) -> None:
         datamodule = getattr(trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "accumulation_for"):
@@ -328,11 +323,16 @@ class DynaTrainStrategy(ModelParallelStrategy):
             self._switcher.attach(trainer)
 
     def materialize(self, model: nn.Module) -> None:
-        """Give a meta-device model its initialised weights (its ``init_weights``). A target layout being built, or a joining
-        process, keeps it on meta: the switch fills it with the moved shards."""
-        if self._target is not None or (self._switcher is not None and self._switcher.joined is not None):
+        """Give a meta-device model its initialised weights (its ``init_weights``). A target layout being built,
+        or a joining process, keeps it on meta: the switch fills it with the moved shards."""
+        if self._target_mesh is not None or self._joining:
             return
         materialize_model(model, self.root_device)
+
+    @property
+    def _joining(self) -> bool:
+        """A process started with `dynatrain join`, until it trains: its state arrives with the switch."""
+        return self._switcher is not None and self._switcher.joined is not None
 
     def at_step_boundary(self) -> bool:
         """True between two optimizer steps (where a switch may run), False inside a gradient accumulation."""
@@ -407,7 +407,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         return self._switcher.switch(target, rank_map=rank_map, budget_mb=budget_mb)
 
 
-if "dynatrain" not in StrategyRegistry:
+if DynaTrainStrategy.strategy_name not in StrategyRegistry:
     # Importing the strategy makes strategy="dynatrain" work (see `dynatrain.registration`).
-    StrategyRegistry.register("dynatrain", DynaTrainStrategy,
+    StrategyRegistry.register(DynaTrainStrategy.strategy_name, DynaTrainStrategy,
                               description="FSDP2 + tensor parallelism with online layout switching")

@@ -81,7 +81,8 @@ class ChangeInputs:
     union: tuple[str, ...] = field(compare=False)
 
     @classmethod
-    def build(cls, specs, old_shardings, new_shardings, old: ParallelConfig, positions: Sequence[int], members: Sequence[str],
+    def build(cls, specs, old_shardings, new_shardings, old: ParallelConfig, positions: Sequence[int],
+              members: Sequence[str],
               target: ParallelConfig, leave: Sequence[int], joiners: Sequence[str] | None, rank_map, budget: int
               ) -> "ChangeInputs":
         """From the current world: ``positions`` (old mesh position -> rank), ``leave`` as current ranks,

@@ -134,7 +134,6 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     src = captured.sources
     kept = switcher.keep_states(captured, optimizer)
     names = switcher.release_module(module, optimizer)
-    switcher.released = True
     switcher.forget_builds()
     del optimizer
     gc.collect()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -45,7 +47,7 @@ from dynatrain.strategies.adopt import fill_target, restore_optimizer
 from dynatrain.strategies.capture import capture, check_switchable, target_shardings
 from dynatrain.strategies.probe import probe_mesh
 from dynatrain.strategies.recovery import WorldChangeError, is_peer_loss, recover
-from dynatrain.strategies.target import release_children, transplant
+from dynatrain.strategies.target import param_children, release_children, transplant
 from dynatrain.strategies.switch import PhaseTimer, SwitchReport
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -313,8 +315,8 @@ class Switcher:
         strategy = self.strategy
         if captured is None:
             captured = capture(strategy.lightning_module, self.optimizer(), strategy.device_mesh)
-        target_layout, _ = self.target_layout(target, captured, probe=True)
-        return ChangeInputs.build(captured.specs, captured.shardings, target_layout.shardings,
+        new_shardings, _ = self._target_shardings_of(target, captured, probe=True)
+        return ChangeInputs.build(captured.specs, captured.shardings, new_shardings,
                                   strategy.parallel_config, strategy.positions, strategy.elastic.world.members, target,
                                   leave, joiners, strategy.rank_map, strategy.switch_budget_bytes)
 
@@ -334,13 +336,9 @@ class Switcher:
         timer = PhaseTimer()
         strategy = self.strategy
         target = self.check(target)
-        module, optimizer = strategy.lightning_module, self.optimizer()
+        module, optimizer, captured = self._capture_agreed()
         old_cfg, rank = strategy.parallel_config, strategy.global_rank
         budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
-
-        check_switchable(module, strategy.optimizers)
-        captured = capture(module, optimizer, strategy.device_mesh)
-        self._agree_on(captured)
         old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=strategy.positions)
         target_layout, probe = self.target_layout(target, captured)
         plan, _ = plan_mesh_safe(
@@ -360,7 +358,6 @@ class Switcher:
         kept = self.keep_states(captured, optimizer)
         src = captured.sources
         names = self.release_module(module, optimizer)
-        self.released = True
         del optimizer, captured
         gc.collect()
         timer.lap("release")
@@ -381,14 +378,19 @@ class Switcher:
         release_freed_memory()
         return self._report(plan, old_cfg, target, positions, stats, verified, timer)
 
-    def _agree_on(self, captured) -> None:
-        """Every rank must plan from the same specs: one all-reduce of their fingerprint before anything moves."""
+    def _capture_agreed(self):
+        """(module, optimizer, captured states) of this rank, checked switchable and equal on every rank: one
+        all-reduce of the specs' fingerprint before anything moves."""
         strategy = self.strategy
-        if strategy.world_size == 1:
-            return
-        import torch
-        import torch.distributed as dist
+        module, optimizer = strategy.lightning_module, self.optimizer()
+        check_switchable(module, strategy.optimizers)
+        captured = capture(module, optimizer, strategy.device_mesh)
+        if strategy.world_size > 1:
+            self._agree_on(captured)
+        return module, optimizer, captured
 
+    def _agree_on(self, captured) -> None:
+        strategy = self.strategy
         mark = captured.fingerprint()
         t = torch.tensor([mark, -mark], dtype=torch.int64, device=strategy.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -397,10 +399,16 @@ class Switcher:
                              "module or optimizer that differs between ranks cannot be switched")
 
     def target_layout(self, target: ParallelConfig, captured, probe: bool = False):
-        """The target layout of the captured states, from the module's parallelisation for ``target`` run on meta
-        (once per layout). Within the world it runs on the target's real mesh in the default rank order, and that
-        build is returned for reuse when the plan keeps the order; for another world size (``probe``) on a mesh
-        of fake groups (`probe`)."""
+        """The target layout of the captured states and, when there is one, the build to reuse (see
+        `_target_shardings_of`)."""
+        shardings, built = self._target_shardings_of(target, captured, probe)
+        return Layout.from_shardings(captured.specs, shardings, target), built
+
+    def _target_shardings_of(self, target: ParallelConfig, captured, probe: bool = False):
+        """Per captured state, its sharding in ``target``, from the module's parallelisation run on meta (once per
+        layout). Within the world it runs on the target's real mesh in the default rank order, and that build is
+        returned for reuse when the plan keeps the order; for another world size (``probe``) on a mesh of fake
+        groups (`probe`)."""
         strategy = self.strategy
         shardings = self._target_shardings.get(target)
         built = self._probes.pop(target, None) if shardings is not None and not probe else None
@@ -420,10 +428,9 @@ class Switcher:
             shardings = {captured.param_of[s.name][0]: sh for s, sh in zip(captured.specs, per_param)}
             self._target_shardings[target] = shardings
         try:
-            per_state = [shardings[captured.param_of[s.name][0]] for s in captured.specs]
+            return tuple(shardings[captured.param_of[s.name][0]] for s in captured.specs), built
         except KeyError as e:
             raise ValueError(f"state {e.args[0]!r} appeared after the target layout was built") from None
-        return Layout.from_shardings(captured.specs, per_state, target), built
 
     def _build(self, mesh, target: ParallelConfig):
         try:
@@ -456,6 +463,7 @@ class Switcher:
             for g in optimizer.param_groups:
                 g["params"] = []
         self.strategy.optimizers = []
+        self.released = True
         return release_children(module)
 
     def _restore_optimizer(self, module, dst, kept) -> None:
@@ -484,11 +492,8 @@ class Switcher:
         timer = PhaseTimer()
         strategy = self.strategy
         manager = strategy.elastic
-        module, optimizer = strategy.lightning_module, self.optimizer()
+        module, optimizer, captured = self._capture_agreed()
         old_cfg = strategy.parallel_config
-        check_switchable(module, strategy.optimizers)
-        captured = capture(module, optimizer, strategy.device_mesh)
-        self._agree_on(captured)
         inputs = self._change_inputs(target, leave, joiners, captured)
         prepared, self.prepared = self.prepared, None
         if prepared is not None and prepared.inputs == inputs:
@@ -515,7 +520,6 @@ class Switcher:
                 "old_totals": old_totals, "loggers": logger_versions(self.trainer),
             })
         names = self.release_module(module, optimizer)
-        self.released = True
         self.forget_builds()
         del optimizer, captured
         gc.collect()
@@ -629,8 +633,7 @@ class Switcher:
         """A joiner, after its module's own parallelisation for the target layout: the received shards in place."""
         self.receive_joined()
         module = self.strategy.lightning_module
-        names = [n for n, child in module.named_children() if next(child.parameters(), None) is not None]
-        fill_target(module, names, self.joined.dst, self.strategy.root_device)
+        fill_target(module, param_children(module), self.joined.dst, self.strategy.root_device)
 
     def adopt_joined_optimizer(self) -> None:
         """After `setup_optimizers`: optimizer state and hyper-parameters as the members had them; then verify."""

@@ -43,41 +43,39 @@ class ModuleTemplate:
 
     def build(self, mesh, parallelize: Callable[[nn.Module], None]) -> nn.Module:
         """A copy parallelised on ``mesh`` by ``parallelize`` (on meta: nothing is allocated)."""
-        target = copy.deepcopy(self.template, {id(obj): obj for obj in self.keep if obj is not None})
-        if hasattr(self.source, "_trainer"):
-            target._trainer = self.source._trainer  # a LightningModule drops its trainer when it is copied
+        target = self.fresh()
         target._device_mesh = mesh
         with torch.device("meta"):
             parallelize(target)
         return target
 
     def fresh(self) -> nn.Module:
-        """An unparallelised copy on meta: what a process that left the job holds in place of its model, so the
-        module's hooks that still run as its loop winds down find their modules."""
+        """An unparallelised copy on meta (also what a process that left the job holds in place of its model, so
+        the module's hooks that still run as its loop winds down find their modules)."""
         target = copy.deepcopy(self.template, {id(obj): obj for obj in self.keep if obj is not None})
         if hasattr(self.source, "_trainer"):
-            target._trainer = self.source._trainer
+            target._trainer = self.source._trainer  # a LightningModule drops its trainer when it is copied
         return target
 
 
 def to_meta(module: nn.Module) -> None:
     """Move the module's parameter-holding children (and its own parameters) to meta; metrics and other children
     without parameters keep their state."""
-    for child in module.children():
-        if holds_parameters(child):
-            child.to("meta")
+    for n in param_children(module):
+        module._modules[n].to("meta")
     for n, p in list(module._parameters.items()):
         if p is not None:
             module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
 
 
-def holds_parameters(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
+def param_children(module: nn.Module) -> list[str]:
+    """The names of the module's children that hold parameters: what a switch replaces."""
+    return [n for n, child in module.named_children() if next(child.parameters(), None) is not None]
 
 
 def release_children(live: nn.Module) -> list[str]:
     """Drop the live module's parameter-holding children (the switch's engine holds their shards now)."""
-    names = [n for n, child in live.named_children() if holds_parameters(child)]
+    names = param_children(live)
     for n in names:
         live._modules[n] = None
     for n in list(live._parameters):

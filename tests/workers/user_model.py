@@ -131,7 +131,28 @@ OPTIMIZERS = {
 }
 
 
-class UserLM(pl.LightningModule):
+class _StepLoss(pl.LightningModule):
+    """The language-modelling loss of a micro-batch, and each step's loss over the whole global batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_losses: list[float] = []
+        self._micro: list[torch.Tensor] = []
+
+    def _lm_loss(self, batch) -> torch.Tensor:
+        tokens, labels = batch
+        loss = F.cross_entropy(self.net(tokens).flatten(0, 1), labels.flatten())
+        self._micro.append(loss.detach())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        loss = torch.stack(self._micro).mean()
+        torch.distributed.all_reduce(loss)
+        self.step_losses.append(loss.item() / torch.distributed.get_world_size())
+        self._micro.clear()
+
+
+class UserLM(_StepLoss):
     """``build_in="init"``: the model is made in __init__; ``"configure"``: in configure_model (guarded)."""
 
     def __init__(self, optimizer: str = "adamw", build_in: str = "init", heads: int = 4) -> None:
@@ -139,8 +160,6 @@ class UserLM(pl.LightningModule):
         self.optimizer_name = optimizer
         self.heads = heads
         self.net = TinyLM(heads=heads) if build_in == "init" else None
-        self.step_losses: list[float] = []
-        self._micro: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         tp = self.device_mesh["tensor_parallel"].size()
@@ -153,16 +172,7 @@ class UserLM(pl.LightningModule):
         parallelize(self.net, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
 
     def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss = F.cross_entropy(self.net(tokens).flatten(0, 1), labels.flatten())
-        self._micro.append(loss.detach())
-        return loss
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        loss = torch.stack(self._micro).mean()
-        torch.distributed.all_reduce(loss)
-        self.step_losses.append(loss.item() / torch.distributed.get_world_size())
-        self._micro.clear()
+        return self._lm_loss(batch)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         with torch.no_grad():
@@ -176,7 +186,7 @@ class UserLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class MoELM(pl.LightningModule):
+class MoELM(_StepLoss):
     """A LightningModule around the zoo's mixture-of-experts decoder, parallelised with its own parallelize_fn in
     configure_model(); the router's balancing state (expert bias, token counts) lives in buffers."""
 
@@ -188,8 +198,6 @@ class MoELM(pl.LightningModule):
         self.optimizer_name = optimizer
         self.net = MoETransformer(MOE_CONFIGS["moe-debug"].with_overrides(bias_update_rate=1e-2))
         self.net.init_weights()
-        self.step_losses: list[float] = []
-        self._micro: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         from dynatrain.models.moe import parallelize_moe
@@ -199,16 +207,7 @@ class MoELM(pl.LightningModule):
             parallelize_moe(self.net, self.device_mesh, self.trainer.strategy.parallel_config)
 
     def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        loss = F.cross_entropy(self.net(tokens).flatten(0, 1), labels.flatten())
-        self._micro.append(loss.detach())
-        return loss + self.net.aux_loss()
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        loss = torch.stack(self._micro).mean()
-        torch.distributed.all_reduce(loss)
-        self.step_losses.append(loss.item() / torch.distributed.get_world_size())
-        self._micro.clear()
+        return self._lm_loss(batch) + self.net.aux_loss()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.trainer.fit_loop.epoch_loop._accumulated_batches_reached():

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
@@ -43,7 +44,7 @@ def _snapshot(trainer) -> list:
     for t in [*module.parameters(), *module.buffers(), *(v for st in opt.state.values() for v in st.values())]:
         if hasattr(t, "to_local"):
             t = t.to_local()
-        out.append(t.detach().clone().contiguous().view(-1).view(__import__("torch").uint8).tolist()
+        out.append(t.detach().clone().contiguous().view(-1).view(torch.uint8).tolist()
                    if t.numel() else [])
     return out
 
