@@ -186,16 +186,26 @@ class MoETransformer(nn.Module):
 
 
 def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoETransformer:
-    """Data and tensor parallelism for the MoE decoder (expert parallelism is not built yet): attention heads,
-    embeddings and the output projection split over ``tp`` as in the dense model, the MoE feed-forward whole on
-    every TP rank; then FSDP2 on each block and the root over the data-parallel ranks, which shards the stacked
-    experts on their expert dimension."""
+    """Data, tensor and expert parallelism for the MoE decoder, in torchtitan's order:
+
+    - tp: attention heads, embeddings and the output projection split as in the dense model; the router, the
+      shared expert and the routed experts stay whole on every TP rank (each TP rank routes the same tokens);
+    - ep: each layer's routed experts split over ``ep`` (`ExpertParallel`), tokens moved by all-to-all;
+    - FSDP2: the experts over the data-parallel ranks outside their ep group (``efsdp``, HSDP with
+      ``dp_replicate``), then each block and the root over all data-parallel ranks.
+
+    An expert's gradient holds the tokens of its whole ep group, so its reduction divides by every data-parallel
+    rank, as a dense weight's does."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from dynatrain.models.expert_parallel import ExpertParallel
     from dynatrain.models.parallelize import apply_fsdp, dp_submesh
 
     cfg = model.config
+    pcfg.validate(cfg)
     tp = mesh["tp"]
     if tp.size() > 1:
         for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("vocab_size", cfg.vocab_size)):
@@ -211,4 +221,16 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
                 "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Replicate()),
             })
+    if pcfg.ep > 1:
+        expert_dp = mesh["dp_replicate", "efsdp"] if pcfg.dp_replicate > 1 else mesh["efsdp"]
+        kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+        gloo = dist.get_backend(mesh["ep"].get_group()) == "gloo"
+        for block in model.layers.values():
+            parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
+            fully_shard(block.moe.experts, mesh=expert_dp, **kwargs)
+            block.moe.experts.set_gradient_divide_factor(float(pcfg.dp_size))
+            if gloo and pcfg.efsdp > 1:
+                # gloo has no pre-scaled sum: sum, then divide. (Not with one efsdp rank: torch then divides while
+                # it copies the gradient and would divide a second time after a forced sum.)
+                block.moe.experts.set_force_sum_reduction_for_comms(True)
     return apply_fsdp(model, dp_submesh(mesh, pcfg), mp_policy=mp_policy)

@@ -6,6 +6,7 @@ of each TP-local tensor over the data-parallel dimensions (HSDP when dp_replicat
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -24,12 +25,13 @@ from torch.distributed.tensor.parallel import (
 from dynatrain.models import tp_plan
 from dynatrain.models.configs import ModelConfig
 from dynatrain.models.llama import Transformer
-from dynatrain.vps.parallel_config import MESH_DIM_NAMES, ParallelConfig
+from dynatrain.vps.parallel_config import ParallelConfig
 
 
 def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[int] | None = None) -> DeviceMesh:
-    """A (dp_replicate, dp_shard, tp) mesh. ``ranks[i]`` is the process at default position i
-    (position = (r*S + s)*T + t); every rank of the default group must call this, member or not."""
+    """The root mesh of ``pcfg`` (``pcfg.mesh_dim_names``) with its flattened names (``pcfg.flattened_dims()``).
+    ``ranks[i]`` is the process at default position i (position = (r*S + s)*T + t); every rank of the default
+    group must call this, member or not."""
     order = list(range(pcfg.world_size)) if ranks is None else [int(r) for r in ranks]
     if len(order) != pcfg.world_size or len(set(order)) != len(order):
         raise ValueError(f"layout {pcfg} needs {pcfg.world_size} distinct ranks, got {order}")
@@ -38,8 +40,11 @@ def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[in
             f"rank arrangement {order} for {pcfg.short()} is not ascending along every mesh dimension: torch "
             "creates each mesh group with sorted ranks, so its collectives would disagree with the mesh coordinates"
         )
-    mesh = torch.tensor(order, dtype=torch.int).view(pcfg.mesh_shape)
-    return DeviceMesh(device_type, mesh, mesh_dim_names=MESH_DIM_NAMES)
+    mesh = DeviceMesh(device_type, torch.tensor(order, dtype=torch.int).view(pcfg.mesh_shape),
+                      mesh_dim_names=pcfg.mesh_dim_names)
+    for name, dims in pcfg.flattened_dims().items():
+        mesh[dims]._flatten(name)
+    return mesh
 
 
 def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
@@ -48,7 +53,7 @@ def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
     `new_group` sorts its ranks, so a group's rank order equals the mesh order only for such arrangements;
     any other one silently permutes all-gathers and reduce-scatters.
     """
-    R, S, T = pcfg.mesh_shape
+    R, S, T = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
     at = lambda r, s, t: ranks[(r * S + s) * T + t]  # noqa: E731
     for r in range(R):
         for s in range(S):
@@ -141,7 +146,12 @@ def parallelize_llama(
 
 
 def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
-    return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+    """The mesh FSDP2 shards dense states over: ``dp_shard``, with ``dp_replicate`` in front for HSDP."""
+    with warnings.catch_warnings():
+        # With ep, dp_shard is a flattened name; slicing it beside a root dimension is the one way to a 2-D HSDP
+        # mesh that torch offers, and it warns about a future deprecation of exactly that.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
+        return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
 
 
 def build_parallel_model(

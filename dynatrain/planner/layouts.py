@@ -251,7 +251,7 @@ def _group(positions: Sequence[int], per_node: int) -> _Group:
 def _groups(cfg: ParallelConfig, per_node: int) -> tuple[_Group, _Group]:
     """The dp_shard and dp_replicate groups through position 0 (mesh order (r*S + s)*T + t); the others are
     translations of them."""
-    r, s, t = cfg.mesh_shape
+    r, s, t = cfg.dp_replicate, cfg.dp_shard, cfg.tp
     shard = [i * t for i in range(s)]
     replicate = [i * s * t for i in range(r)]
     return _group(shard, per_node), _group(replicate, per_node)

@@ -140,14 +140,17 @@ class DynaTrainStrategy(ModelParallelStrategy):
     def dp_rank(self) -> int:
         if self._device_mesh is None or self.parallel_config is None:
             return self.global_rank
-        r, s, _ = self._device_mesh.get_coordinate()
-        return r * self.parallel_config.dp_shard + s
+        # Positions are row-major with tp fastest, whatever the root mesh's dimensions (ep splits dp_shard).
+        position = 0
+        for index, size in zip(self._device_mesh.get_coordinate(), self._device_mesh.mesh.shape):
+            position = position * int(size) + index
+        return position // self.parallel_config.tp
 
     @property
     def tp_rank(self) -> int:
         if self._device_mesh is None:
             return 0
-        return self._device_mesh.get_coordinate()[2]
+        return self._device_mesh.get_coordinate()[-1]
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -222,10 +225,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         key = (pcfg, tuple(range(pcfg.world_size)) if ranks is None else tuple(int(r) for r in ranks))
         mesh = self._meshes.get(key)
         if mesh is None:
+            # Also under Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
             mesh = init_mesh(pcfg, self.root_device.type, key[1])
-            # Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
-            mesh["dp_replicate", "dp_shard"]._flatten("data_parallel")
-            mesh["tp"]._flatten("tensor_parallel")
             self._meshes[key] = mesh
         return mesh
 

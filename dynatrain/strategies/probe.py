@@ -3,8 +3,8 @@
 A world change must know how the user's parallelisation places every state in a world that does not exist yet
 (more processes than today, or fewer). DTensor and FSDP2 decide placements from the mesh alone, so the module's
 parallelisation runs on the meta device over a mesh whose groups are torch's fake backend: nothing is sent and
-nothing allocated. The mesh answers to the same names as the strategy's (``dp_replicate``, ``dp_shard``, ``tp``
-and the flattened ``data_parallel``, ``tensor_parallel``). This process sits at position 0 of it, which changes no
+nothing allocated. The mesh answers to the same names as the strategy's (`ParallelConfig.mesh_dim_names` and
+`ParallelConfig.flattened_dims`). This process sits at position 0 of it, which changes no
 placement.
 """
 
@@ -18,9 +18,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from dynatrain.vps.parallel_config import MESH_DIM_NAMES, ParallelConfig
+from dynatrain.vps.parallel_config import ParallelConfig
 
-FLATTENED = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
 _names = itertools.count()
 
 
@@ -42,8 +41,8 @@ def _fake_group(rank: int, size: int, device_type: str, registered: list[Process
 
 @contextmanager
 def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu"):
-    """A ``(dp_replicate, dp_shard, tp)`` mesh of ``pcfg``'s size whose groups send nothing; its groups are
-    forgotten on exit."""
+    """The root mesh of ``pcfg`` (with its flattened names) whose groups send nothing; its groups are forgotten on
+    exit."""
     from torch.distributed._mesh_layout import _MeshLayout
 
     me = dist.get_rank()
@@ -52,8 +51,8 @@ def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu"):
     registered: list[ProcessGroup] = []
     try:
         groups = [_fake_group(0, n, device_type, registered) for n in pcfg.mesh_shape]
-        mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=MESH_DIM_NAMES)
-        for name, dims in FLATTENED.items():
+        mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=pcfg.mesh_dim_names)
+        for name, dims in pcfg.flattened_dims().items():
             sub = mesh[dims]
             flat = DeviceMesh(mesh._device_type, _layout=_MeshLayout([sub._layout.collapse()]),
                               _rank_map=mesh._rank_map, mesh_dim_names=(name,), _root_mesh=mesh, _init_backend=False)

@@ -1,4 +1,12 @@
-"""`ParallelConfig`: the shape of a layout, dp_replicate x dp_shard x tp, tp fastest-varying."""
+"""`ParallelConfig`: the shape of a layout, dp_replicate x dp_shard x tp, tp fastest-varying, and the expert-parallel
+degree ``ep``, which borrows its ranks from ``dp_shard``.
+
+With ``ep > 1`` the root mesh splits ``dp_shard`` into ``(efsdp, ep)``: the ranks of one ep group are consecutive
+dp_shard indices, routed experts are split over ``ep`` and sharded by FSDP over ``efsdp``, and everything else
+shards over ``dp_shard`` (the flattened pair) as without ep. Positions keep the row-major order of the
+``(dp_replicate, dp_shard, tp)`` view, so ep changes which states a position holds, never which position a
+process takes.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,9 @@ if TYPE_CHECKING:
     from dynatrain.models.configs import ModelConfig
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
-_TERM = re.compile(r"^\s*(dp_replicate|dp_shard|tp)\s*=\s*(-?\d+)\s*$")
+EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
+_TERMS = MESH_DIM_NAMES + ("ep",)
+_TERM = re.compile(r"^\s*(dp_replicate|dp_shard|tp|ep)\s*=\s*(-?\d+)\s*$")
 
 
 @dataclass(frozen=True, order=True)
@@ -18,16 +28,23 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in MESH_DIM_NAMES:
+        for name in _TERMS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"ep={self.ep} takes its ranks from dp_shard, but dp_shard={self.dp_shard} is not a multiple of it: "
+                f"choose dp_shard a multiple of {self.ep} (e.g. dp_shard={self.ep * max(1, self.dp_shard // self.ep)}) "
+                f"or an ep that divides {self.dp_shard}"
+            )
 
     @classmethod
     def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
-        """Parse ``"dp_replicate=R,dp_shard=S,tp=T"``; a missing term is 1."""
+        """Parse ``"dp_replicate=R,dp_shard=S,tp=T,ep=E"``; a missing term is 1."""
         if isinstance(text, ParallelConfig):
             return text
         if not isinstance(text, str) or not text.strip():
@@ -39,7 +56,7 @@ class ParallelConfig:
             match = _TERM.match(term)
             if not match:
                 raise ValueError(
-                    f"cannot parse {term.strip()!r} in layout {text!r}: each term is dp_replicate=N, dp_shard=N or tp=N"
+                    f"cannot parse {term.strip()!r} in layout {text!r}: each term is dp_replicate=N, dp_shard=N, tp=N or ep=N"
                 )
             name, value = match.group(1), int(match.group(2))
             if name in values:
@@ -57,8 +74,38 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The root mesh: ``(dp_replicate, dp_shard, tp)``, or ``(dp_replicate, efsdp, ep, tp)`` with ep."""
+        if self.ep == 1:
+            return (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return MESH_DIM_NAMES if self.ep == 1 else EP_MESH_DIM_NAMES
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP shards each routed expert over: dp_shard / ep."""
+        return self.dp_shard // self.ep
+
+    def flattened_dims(self) -> dict[str, tuple[str, ...]]:
+        """Names a mesh of this layout also answers to, each a flattening of root dimensions: ``dp_shard`` with ep,
+        and Lightning's ``data_parallel`` and ``tensor_parallel`` (so code written for ModelParallelStrategy runs)."""
+        dp_shard = ("efsdp", "ep") if self.ep > 1 else ("dp_shard",)
+        out = {"dp_shard": dp_shard} if self.ep > 1 else {}
+        out["data_parallel"] = ("dp_replicate",) + dp_shard
+        out["tensor_parallel"] = ("tp",)
+        return out
+
+    def root_dims(self, name: str) -> tuple[int, ...]:
+        """The root mesh dimensions a named dimension spans (``dp_shard`` is ``(efsdp, ep)`` with ep)."""
+        names = self.mesh_dim_names
+        if name == "dp_shard" and self.ep > 1:
+            return (names.index("efsdp"), names.index("ep"))
+        if name not in names:
+            raise ValueError(f"layout {self.short()} has no mesh dimension {name!r}; it has {', '.join(names)}")
+        return (names.index(name),)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """Mesh coordinate (r, s, t) of a position in the default order: rank = (r*S + s)*T + t."""
@@ -79,13 +126,23 @@ class ParallelConfig:
                 f"layout {self} needs dp_replicate*dp_shard*tp = {self.world_size} devices, "
                 f"but there are {world_size}: change the layout so the product is {world_size}"
             )
+        if model is not None and self.ep > 1:
+            n_experts = getattr(model, "n_experts", None)
+            if n_experts is None:
+                raise ValueError(
+                    f"ep={self.ep} splits routed experts, and model {model.name!r} has none: use ep=1 "
+                    "(or a mixture-of-experts model)"
+                )
+            if n_experts % self.ep:
+                raise ValueError(
+                    f"ep={self.ep} does not divide n_experts={n_experts} of model {model.name!r}: choose an ep that "
+                    f"divides {n_experts}"
+                )
         if model is not None and self.tp > 1:
-            for what, size in (
-                ("n_heads", model.n_heads),
-                ("n_kv_heads", model.n_kv_heads),
-                ("ffn_dim", model.ffn_dim),
-                ("vocab_size", model.vocab_size),
-            ):
+            sizes = [("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads)]
+            if getattr(model, "ffn_dim", None):
+                sizes.append(("ffn_dim", model.ffn_dim))
+            for what, size in sizes + [("vocab_size", model.vocab_size)]:
                 if size % self.tp:
                     raise ValueError(
                         f"tp={self.tp} does not divide {what}={size} of model {model.name!r}: "
@@ -94,9 +151,10 @@ class ParallelConfig:
         return self
 
     def __str__(self) -> str:
-        return f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp}"
+        text = f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp}"
+        return text if self.ep == 1 else f"{text},ep={self.ep}"
 
     def short(self) -> str:
         """Only the terms that are not 1 (``"dp_shard=2,tp=2"``); ``"dp_shard=1"`` for a single device."""
-        terms = [f"{n}={getattr(self, n)}" for n in MESH_DIM_NAMES if getattr(self, n) != 1]
+        terms = [f"{n}={getattr(self, n)}" for n in _TERMS if getattr(self, n) != 1]
         return ",".join(terms) or "dp_shard=1"

@@ -119,8 +119,8 @@ def rule_sharding(rule: ShardRule, pcfg: ParallelConfig) -> Sharding:
     if pcfg.dp_shard > 1:
         strided = rule.tp_dim == 0 and pcfg.tp > 1
         placements.append(StridedShard(0, pcfg.tp) if strided else Shard(0))
-        dims.append((1,))
+        dims.append(pcfg.root_dims("dp_shard"))
     if rule.tp_dim is not None and pcfg.tp > 1:
         placements.append(Shard(rule.tp_dim))
-        dims.append((2,))
+        dims.append(pcfg.root_dims("tp"))
     return Sharding(pcfg.mesh_shape, tuple(placements), tuple(dims))
