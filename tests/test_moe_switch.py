@@ -4,6 +4,12 @@ balancing buffers included."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from _launch import launch
 
@@ -47,3 +53,39 @@ def test_expert_parallel_training_equals_data_parallel(tmp_path, layout):
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(res["losses"], static["losses"])), \
             (res["losses"], static["losses"])
         assert res["expert_bias"] == static["expert_bias"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("args,bad,expected", [
+    (["--moe", "--experts", "6"], "dp_shard=4,ep=4", ["ep=4 does not divide n_experts=6", "choose an ep that divides"]),
+    (["--moe"], "dp_shard=4,ep=3", ["ep=3 takes its ranks from dp_shard", "choose dp_shard a multiple of 3"]),
+    ([], "dp_shard=4,ep=2", ["asks for ep=2", "splits no state over the ep mesh dimension", "use ep=1"]),
+], ids=["ep-not-dividing-experts", "ep-not-dividing-dp_shard", "ep-on-a-dense-model"])
+def test_an_expert_layout_that_cannot_be_built_is_refused_at_request_time(tmp_path, args, bad, expected):
+    results = launch("user_switch.py", 4, ["--layout", "dp_shard=4", "--steps", "3", *args, "--bad", f"1:{bad}"],
+                     tmp_path)
+    for res in results:
+        assert res["reports"] == [] and res["layout"] == "dp_shard=4" and len(res["losses"]) == 3
+        [error] = res["errors"]
+        assert all(text in error for text in expected), error
+        assert res["untouched"] == [True]  # every weight, buffer and optimizer tensor bitwise as before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_expert_layouts_through_world_changes_equal_the_dcp_oracle():
+    """ep=4 on 4 processes -> 3 processes without ep (one leaves) -> 4 with tp and ep (a new process joins) -> HSDP
+    with ep: each switch bit for bit as DCP would reshard, the step after it too."""
+    layouts = ["dp_shard=4,ep=4", "dp_shard=3", "dp_shard=2,tp=2,ep=2", "dp_replicate=2,dp_shard=2,ep=2"]
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests / "workers"), str(tests.parent)]))
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", "user_model:MoELM",
+           "--switches", " > ".join(layouts), "--steps-between", "1", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["worlds"] == [4, 3, 4, 4] and result["joiners"] == 1
+    assert [s["to"] for s in result["switches"]] == layouts[1:]
+    assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in result["switches"])
+    assert result["loss_max_rel_diff"] <= 1e-5

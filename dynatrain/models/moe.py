@@ -196,7 +196,6 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
 
     An expert's gradient holds the tokens of its whole ep group, so its reduction divides by every data-parallel
     rank, as a dense weight's does."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -224,7 +223,7 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
     if pcfg.ep > 1:
         expert_dp = mesh["dp_replicate", "efsdp"] if pcfg.dp_replicate > 1 else mesh["efsdp"]
         kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
-        gloo = dist.get_backend(mesh["ep"].get_group()) == "gloo"
+        gloo = mesh.device_type == "cpu"  # CPU meshes run on gloo
         for block in model.layers.values():
             parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
             fully_shard(block.moe.experts, mesh=expert_dp, **kwargs)

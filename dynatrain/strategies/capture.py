@@ -226,4 +226,20 @@ def target_shardings(module: nn.Module, root: DeviceMesh, captured: Captured) ->
     if len(params) != sum(1 for v in captured.param_of.values() if v[1] is None):
         extra = sorted(set(params) - {v[0] for v in captured.param_of.values()})
         raise ValueError(f"the target model has parameters the running one lacks: {extra[:5]}")
+    _check_ep_used(root, out)
     return tuple(out)
+
+
+def _check_ep_used(root: DeviceMesh, shardings: list[Sharding]) -> None:
+    """A layout with ep > 1 whose parallelisation splits nothing over ep would run every expert on every rank of
+    the ep group while the layout claims otherwise; the user asked for something this model does not do."""
+    names = tuple(root.mesh_dim_names or ())
+    if "ep" not in names or root.mesh.shape[names.index("ep")] == 1:
+        return
+    ep = (names.index("ep"),)
+    if not any(ep in sh.dims for sh in shardings):
+        raise ValueError(
+            f"the layout asks for ep={root.mesh.shape[names.index('ep')]}, but the module's parallelisation splits "
+            "no state over the ep mesh dimension (it has no routed experts, or does not apply ExpertParallel): "
+            "use ep=1 for this model"
+        )

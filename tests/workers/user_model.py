@@ -190,13 +190,13 @@ class MoELM(_StepLoss):
     """A LightningModule around the zoo's mixture-of-experts decoder, parallelised with its own parallelize_fn in
     configure_model(); the router's balancing state (expert bias, token counts) lives in buffers."""
 
-    def __init__(self, optimizer: str = "adamw") -> None:
+    def __init__(self, optimizer: str = "adamw", n_experts: int = 8) -> None:
         super().__init__()
         from dynatrain.models.moe import MoETransformer
         from dynatrain.models.moe_configs import MOE_CONFIGS
 
         self.optimizer_name = optimizer
-        self.net = MoETransformer(MOE_CONFIGS["moe-debug"].with_overrides(bias_update_rate=1e-2))
+        self.net = MoETransformer(MOE_CONFIGS["moe-debug"].with_overrides(bias_update_rate=1e-2, n_experts=n_experts))
         self.net.init_weights()
 
     def configure_model(self) -> None:

@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--build-in", default="init")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--moe", action="store_true", help="train MoELM (the zoo's MoE decoder) instead of UserLM")
+    ap.add_argument("--experts", type=int, default=8, help="routed experts of MoELM")
     args = ap.parse_args()
     parse = lambda text: [(int(s.split(":")[0]), s.split(":", 1)[1]) for s in text.split(";") if s]  # noqa: E731
     pl.seed_everything(1234, verbose=False)
@@ -70,7 +71,7 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[script],
     )
-    module = MoELM(args.optimizer) if args.moe else UserLM(args.optimizer, args.build_in, args.heads)
+    module = MoELM(args.optimizer, args.experts) if args.moe else UserLM(args.optimizer, args.build_in, args.heads)
     data = LlamaDataModule(seq_len=32, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=200_000)
     trainer.fit(module, datamodule=data)
     opt = strategy.optimizers[0]
