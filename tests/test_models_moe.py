@@ -100,3 +100,30 @@ def test_initial_weights_depend_on_name_and_seed_only():
         assert torch.equal(pa, pb), name
     w1 = a.layers["0"].moe.experts.w1
     assert not torch.equal(w1[0], w1[1])  # each expert its own values
+
+
+def test_tokens_received_by_source_are_regrouped_by_expert_and_back():
+    """What ExpertParallel does between its two all-to-alls: blocks arrive as (source rank, local expert) and the
+    grouped matmul wants (local expert, source rank); the combine puts every row back where it came from."""
+    from dynatrain.models.expert_parallel import _expert_major
+
+    received = torch.tensor([[2, 0, 1], [0, 3, 0], [1, 1, 2]])  # [source, expert], empty blocks included
+    rows = torch.arange(int(received.sum()))
+    labels = [(s, e) for s in range(3) for e in range(3) for _ in range(int(received[s, e]))]
+    order = _expert_major(received)
+    assert [labels[i] for i in order] == sorted(labels, key=lambda se: (se[1], se[0]))
+    back = torch.empty_like(rows).index_copy(0, order, rows[order])
+    assert torch.equal(back, rows)
+    assert _expert_major(torch.zeros(2, 4, dtype=torch.long)).numel() == 0
+
+
+def test_grouped_experts_take_a_rank_that_received_no_token():
+    cfg = MOE_CONFIGS["moe-debug"]
+    model = MoETransformer(cfg)
+    model.init_weights()
+    experts = model.layers["0"].moe.experts
+    x = torch.zeros(0, cfg.dim, requires_grad=True)
+    out = experts(x, torch.zeros(cfg.n_experts, dtype=torch.long))
+    assert out.shape == (0, cfg.dim)
+    out.sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() == 0 for w in (experts.w1, experts.w2, experts.w3))

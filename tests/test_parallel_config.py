@@ -68,3 +68,23 @@ def test_validate_tp_against_ffn():
 def test_valid_layouts_pass():
     cfg = get_model_config("llama3-70b")
     assert ParallelConfig(dp_shard=16, tp=8).validate(cfg, 128).tp == 8
+
+
+def test_ep_is_carved_from_dp_shard_and_checked_against_the_experts():
+    from dynatrain.models.moe_configs import MOE_CONFIGS
+
+    pc = ParallelConfig.parse("dp_replicate=2,dp_shard=4,tp=2,ep=2")
+    assert pc.world_size == 16 and pc.dp_size == 8 and pc.efsdp == 2
+    assert pc.mesh_shape == (2, 2, 2, 2) and pc.mesh_dim_names == ("dp_replicate", "efsdp", "ep", "tp")
+    assert pc.root_dims("dp_shard") == (1, 2) and pc.root_dims("tp") == (3,)
+    assert pc.flattened_dims()["data_parallel"] == ("dp_replicate", "efsdp", "ep")
+    assert ParallelConfig.parse(str(pc)) == pc and pc.short() == "dp_replicate=2,dp_shard=4,tp=2,ep=2"
+    # positions keep the (dp_replicate, dp_shard, tp) order: ep changes what a position holds, not who holds it
+    assert pc.coords(5) == ParallelConfig(2, 4, 2).coords(5)
+    with pytest.raises(ValueError, match="ep=3 takes its ranks from dp_shard"):
+        ParallelConfig.parse("dp_shard=4,ep=3")
+    with pytest.raises(ValueError, match="ep=2 splits routed experts, and model 'debug' has none"):
+        ParallelConfig.parse("dp_shard=2,ep=2").validate(get_model_config("debug"))
+    with pytest.raises(ValueError, match="ep=16 does not divide n_experts=8"):
+        ParallelConfig.parse("dp_shard=16,ep=16").validate(MOE_CONFIGS["moe-debug"])
+    ParallelConfig.parse("dp_shard=8,ep=8").validate(MOE_CONFIGS["moe-debug"])
