@@ -4,14 +4,16 @@ Inputs are this process's *local tensors* of the old layout (state name -> tenso
 ``local_shape``; a fused projection's several boxes are views into that one tensor at their ``offsets``).
 The output is the local tensors of the new layout. Per round ``k``::
 
-    pack every send of round k into its slot of the staging buffer (one slot per peer message)
-    free the source tensors whose last use was that packing
+    split every message into operations (`engine.wire`): a large piece that is one contiguous run of its
+        local tensor on either side travels alone and in place on that side; the others share a packed one
+    pack the strided sends into their slots of the staging buffer
+    free the source tensors whose last use was that packing (those the wire reads in place: after the wait)
     post all sends and receives of round k at once (one batch_isend_irecv)
     run the local copies of round k meanwhile (allocate a destination on first use, free a source on last)
-    wait, then unpack every receive into its destination (allocated on its first piece)
+    wait, then unpack the staged receives into their destinations
 
-The staging buffer is allocated once, sized by the largest round of this rank (sends + receives, each
-message's slot 16-byte aligned), and reused. A message's pieces are packed back to back in the plan's
+The staging buffer is allocated once, sized by the largest round's staged operations (each slot 16-byte
+aligned), and reused. A message's pieces are packed back to back in the plan's
 order; the planner sorts them largest itemsize first, so a piece starts at a multiple of its itemsize and
 the receiver views the bytes as the piece's dtype without a copy. Mixed dtypes in one message are fine.
 
@@ -32,8 +34,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from dynatrain.engine.wire import WireOp, split_message
 from dynatrain.planner.routing import Transfer
-from dynatrain.planner.schedule import Message, SwitchPlan
+from dynatrain.planner.schedule import SwitchPlan
 from dynatrain.vps.box import Box
 from dynatrain.vps.layout import Layout
 
@@ -70,6 +73,7 @@ class TransitionStats:
     bytes_received: int = 0
     bytes_local: int = 0  # copied locally (src == dst process), never on the wire
     bytes_kept: int = 0  # local tensors adopted as they are (same box, same shape): no copy at all
+    bytes_zero_copy: int = 0  # sent from or received into the local tensor itself, no staging on this side
     src_bytes: int = 0  # this rank's old local tensors
     dst_bytes: int = 0  # this rank's new local tensors
     staging_bytes: int = 0  # the one staging buffer
@@ -301,56 +305,83 @@ def run_transition(
         if sh.numel == 0:
             get_dst(name)
 
-    # The staging buffer: once, for the largest round.
-    def slots(msgs: tuple[Message, ...], start: int) -> tuple[list[int], int]:
+    # Per round, the operations on the wire (pieces sent or received in place, the rest packed), and the
+    # staging buffer once, for the largest round's packed operations.
+    wire = [([op for m in rp.sends[k] for op in split_message(m, old, new, m.dst)],
+             [op for m in rp.recvs[k] for op in split_message(m, old, new, m.src)]) for k in range(rp.num_rounds)]
+
+    def slots(ops: list[WireOp], start: int, staged) -> tuple[list[int], int]:
         offs, pos = [], start
-        for m in msgs:
+        for op in ops:
             offs.append(pos)
-            pos += -(-m.nbytes // ALIGN) * ALIGN
+            if staged(op):
+                pos += -(-op.nbytes // ALIGN) * ALIGN
         return offs, pos
 
+    def send_staged(op: WireOp) -> bool:
+        return not op.src_direct
+
+    def recv_staged(op: WireOp) -> bool:
+        return not op.dst_direct
+
     size = 0
-    for k in range(rp.num_rounds):
-        _, end = slots(rp.sends[k], 0)
-        _, end = slots(rp.recvs[k], end)
+    for sends, recvs in wire:
+        _, end = slots(sends, 0, send_staged)
+        _, end = slots(recvs, end, recv_staged)
         size = max(size, end)
     staging = torch.empty(size, dtype=torch.uint8, device=device)
     stats.staging_bytes = size
     live.add(size)
     dtypes = {s.name: torch_dtype(s.dtype) for s in old.states}
 
-    for k in range(rp.num_rounds):
-        sends, recvs = rp.sends[k], rp.recvs[k]
-        send_offs, end = slots(sends, 0)
-        recv_offs, _ = slots(recvs, end)
-        # --- pack
+    def in_place(view: torch.Tensor) -> torch.Tensor:
+        if not view.is_contiguous():  # the plan's geometry and torch's disagree: never send the wrong bytes
+            raise TransitionError(f"rank {rank}: a piece planned as contiguous is a strided view {view.stride()}")
+        return view.reshape(-1).view(torch.uint8)
+
+    for k, (sends, recvs) in enumerate(wire):
+        send_offs, end = slots(sends, 0, send_staged)
+        recv_offs, _ = slots(recvs, end, recv_staged)
+        # --- pack what is strided on this side; the rest is sent from the source tensor itself
         t0 = time.perf_counter()
         exhausted: list[str] = []
-        for m, off in zip(sends, send_offs):
-            pos = off
-            for t in m.pieces:
-                dt = dtypes[t.state]
-                n = t.src_box.numel
-                sh = src_shards[t.state]
-                view = _box_view(src[t.state], sh.offsets[t.src_shard], t.src_box)
-                staging[pos:pos + t.nbytes].view(dt).view(view.shape).copy_(view)
-                pos += t.nbytes
-                del view
+        on_wire: set[str] = set()  # sources the wire reads in place: freed only after the wait
+        buffers = []
+        for op, off in zip(sends, send_offs):
+            if op.src_direct:
+                [t] = op.pieces
+                buffers.append(in_place(_box_view(src[t.state], src_shards[t.state].offsets[t.src_shard], t.src_box)))
+                on_wire.add(t.state)
+            else:
+                pos = off
+                for t in op.pieces:
+                    view = _box_view(src[t.state], src_shards[t.state].offsets[t.src_shard], t.src_box)
+                    staging[pos:pos + t.nbytes].view(dtypes[t.state]).view(view.shape).copy_(view)
+                    pos += t.nbytes
+                    del view
+                buffers.append(staging[off:off + op.nbytes])
+            for t in op.pieces:
                 uses[t.state] -= 1
                 if uses[t.state] == 0:
                     exhausted.append(t.state)
-            stats.bytes_sent += m.nbytes
+            stats.bytes_sent += op.nbytes
+            stats.bytes_zero_copy += op.nbytes if op.src_direct else 0
         sync()
         for name in exhausted:
-            free_source(name)
+            if name not in on_wire:
+                free_source(name)
         t1 = time.perf_counter()
         stats.seconds_pack += t1 - t0
         # --- wire (local copies run while it is busy)
-        ops = []
-        for m, off in zip(sends, send_offs):
-            ops.append(dist.P2POp(dist.isend, staging[off:off + m.nbytes], group=group, group_peer=peer_of(m.dst)))
-        for m, off in zip(recvs, recv_offs):
-            ops.append(dist.P2POp(dist.irecv, staging[off:off + m.nbytes], group=group, group_peer=peer_of(m.src)))
+        ops = [dist.P2POp(dist.isend, b, group=group, group_peer=peer_of(op.peer)) for op, b in zip(sends, buffers)]
+        for op, off in zip(recvs, recv_offs):
+            if op.dst_direct:
+                [t] = op.pieces
+                b = in_place(_box_view(get_dst(t.state), dst_shards[t.state].offsets[t.dst_shard], t.dst_box))
+                stats.bytes_zero_copy += op.nbytes
+            else:
+                b = staging[off:off + op.nbytes]
+            ops.append(dist.P2POp(dist.irecv, b, group=group, group_peer=peer_of(op.peer)))
         works = dist.batch_isend_irecv(ops) if ops else []
         t2 = time.perf_counter()
         for t in _copy_order(rp.local_copies[k], kept, uses, src, dst, dst_spec):
@@ -360,7 +391,7 @@ def run_transition(
             del out
             stats.bytes_local += t.nbytes
             uses[t.state] -= 1
-            if uses[t.state] == 0:
+            if uses[t.state] == 0 and t.state not in on_wire:
                 free_source(t.state)
         sync()
         t3 = time.perf_counter()
@@ -370,21 +401,25 @@ def run_transition(
         sync()
         t4 = time.perf_counter()
         stats.seconds_wire += (t2 - t1) + (t4 - t3)
-        del ops, works
-        # --- unpack
-        for m, off in zip(recvs, recv_offs):
-            pos = off
-            for t in m.pieces:
-                d_sh = dst_shards[t.state]
-                out = _box_view(get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
-                out.copy_(staging[pos:pos + t.nbytes].view(dtypes[t.state]).view(out.shape))
-                pos += t.nbytes
-                del out
-            stats.bytes_received += m.nbytes
+        del ops, works, buffers
+        for name in on_wire:
+            if uses[name] == 0:
+                free_source(name)
+        # --- unpack what arrived in the staging buffer
+        for op, off in zip(recvs, recv_offs):
+            if not op.dst_direct:
+                pos = off
+                for t in op.pieces:
+                    d_sh = dst_shards[t.state]
+                    out = _box_view(get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
+                    out.copy_(staging[pos:pos + t.nbytes].view(dtypes[t.state]).view(out.shape))
+                    pos += t.nbytes
+                    del out
+            stats.bytes_received += op.nbytes
         sync()
         stats.seconds_unpack += time.perf_counter() - t4
-        stats.messages_sent += len(sends)
-        stats.messages_received += len(recvs)
+        stats.messages_sent += len(rp.sends[k])
+        stats.messages_received += len(rp.recvs[k])
 
     del staging
     live.sub(size)

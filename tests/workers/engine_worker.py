@@ -23,7 +23,7 @@ if __name__ == "__main__" and "dynatrain" not in sys.modules:
     _pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "dynatrain")]
     sys.modules["dynatrain"] = _pkg
 
-from dynatrain.engine import run_transition, torch_dtype
+from dynatrain.engine import run_transition, torch_dtype, wire
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -111,7 +111,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--direct-min", type=int, default=None, help="smallest piece sent or received in place")
     args = ap.parse_args()
+    if args.direct_min is not None:
+        wire.DIRECT_MIN_BYTES = args.direct_min
     dist.init_process_group("gloo")
     world, me = dist.get_world_size(), dist.get_rank()
     results = []
@@ -138,6 +141,11 @@ def main() -> None:
                 res["errors"].append("destinations for a process without a new position")
             res["stats"] = stats.as_dict()
             res["budget"] = plan.budget_bytes
+            rp = plan.rank_plan(pid)
+            res["max_ops"] = max([len([op for m in rp.sends[k] for op in wire.split_message(m, plan.old, plan.new, m.dst)])
+                                  + len([op for m in rp.recvs[k]
+                                         for op in wire.split_message(m, plan.old, plan.new, m.src)])
+                                  for k in range(rp.num_rounds)], default=0)
             res["max_state_bytes"] = max(
                 [t.numel() * t.element_size() for t in dst.values()]
                 + [plan.old.shards(n, pid).numel * plan.old.state(n).itemsize
