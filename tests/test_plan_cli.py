@@ -77,3 +77,25 @@ def test_module_entry_point():
                           "--to", "dp_shard=4,tp=2", "--json"], env=env, capture_output=True, text=True, timeout=100)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["processes_new"] == 8
+
+
+def test_a_mixture_of_experts_switch_is_planned_from_its_analytic_specs(capsys):
+    out = _json(capsys, "--model", "qwen3-235b-a22b", "--from", "dp_shard=32,tp=4,ep=16",
+                "--to", "dp_shard=64,tp=2,ep=32", "--gpus-per-node", "8")
+    assert out["from"] == "dp_shard=32,tp=4,ep=16" and out["to"] == "dp_shard=64,tp=2,ep=32"
+    assert 0 < out["bytes_moved"] <= out["bytes_moved_identity"]
+    assert out["processes_new"] == 128 and out["rounds"] >= 1
+    small = _json(capsys, "--model", "moe-debug", "--from", "dp_shard=4,ep=4", "--to", "dp_shard=2,ep=2",
+                  "--leave", "2,3")
+    assert small["processes_new"] == 2 and {2, 3} <= set(small["leaving"])
+
+
+@pytest.mark.parametrize("model,layout,expected", [
+    ("qwen3-235b-a22b", "dp_shard=48,ep=24", "ep=24 does not divide n_experts=128"),
+    ("llama3-8b", "dp_shard=8,ep=2", "model 'llama3-8b' has none: use ep=1"),
+])
+def test_an_expert_layout_the_model_cannot_take_is_refused_without_a_traceback(capsys, model, layout, expected):
+    assert plan_cli.main(["--model", model, "--from", layout, "--to", "dp_shard=48" if "48" in layout
+                          else "dp_shard=8"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err

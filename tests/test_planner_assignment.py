@@ -21,7 +21,7 @@ def _problem(old_cfg, new_cfg, leave=(), kind="fp32"):
     old = Layout.from_config(states, old_cfg)
     new0 = Layout.from_config(states, new_cfg)
     cands, _ = candidates(old, new_cfg.world_size, leave)
-    return saved_matrix(overlaps(old, new0), old, new0, cands), cands
+    return saved_matrix(overlaps(old, new0), old, new0, cands).toarray(), cands
 
 
 def _exact(w, cands, pcfg, gpus_per_node):
@@ -110,6 +110,21 @@ def test_without_nodes_the_assignment_is_exact():
     w, cands = _problem(ParallelConfig(dp_shard=5), ParallelConfig(dp_shard=2, tp=2))
     best = max(sum(w[c, q] for q, c in enumerate(p)) for p in permutations(range(5), 4))
     assert kept_bytes(w, cands, optimal_map(w, cands, ParallelConfig(dp_shard=2, tp=2))) == best
+
+
+def test_solving_each_component_alone_keeps_as_much_as_one_dense_assignment():
+    from dynatrain.planner.assignment import _lap
+
+    checked = 0
+    for old_cfg, new_cfg, leave, _ in _cases():
+        w, cands = _problem(old_cfg, new_cfg, leave)
+        rows, cols = _lap(w)
+        dense = int(w[rows, cols].sum())
+        rank_map = optimal_map(w, cands, new_cfg)
+        assert len(set(rank_map)) == len(rank_map) == new_cfg.world_size
+        assert kept_bytes(w, cands, rank_map) == dense, (old_cfg, new_cfg, leave)
+        checked += 1
+    assert checked >= 15
 
 
 def test_tp_groups_stay_inside_nodes_and_leavers_get_nothing():

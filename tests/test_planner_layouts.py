@@ -266,3 +266,67 @@ def test_first_decision_has_no_switch():
     assert decision.current is None and decision.changes and decision.switch is None
     assert decision.target == _cfg("dp_shard=4") and decision.estimate.tokens_per_second > 0
     assert decision.ranked[0].config == decision.target
+
+
+# ---------------------------------------------------------------------------------------------- mixture of experts
+def _moe_work(**kw) -> Workload:
+    args = dict(seq_len=1024, global_batch=256, micro_batch=1)
+    args.update(kw)
+    return Workload("qwen3-235b-a22b", **args)
+
+
+def test_moe_candidates_take_every_ep_that_divides_dp_shard_and_the_experts():
+    from dynatrain.models.moe_configs import MOE_CONFIGS
+
+    cfg = MOE_CONFIGS["moe-debug"]  # 8 experts
+    cands = enumerate_configs(32, cfg)
+    assert ParallelConfig(1, 32, 1, 8) in cands and ParallelConfig(1, 16, 2, 4) in cands
+    assert all(c.dp_shard % c.ep == 0 and cfg.n_experts % c.ep == 0 for c in cands)
+    assert not any(c.ep == 16 for c in cands)  # divides dp_shard=16 or 32, not the 8 experts
+    assert enumerate_configs(32, MODEL_CONFIGS["1b"]) == enumerate_configs(32)  # dense: no ep term
+    ranked = rank_layouts(_gpus(128), _moe_work())
+    assert any(c.config.ep > 1 for c in ranked if c.runnable)
+
+
+def test_moe_memory_splits_experts_over_dp_shard_and_keeps_them_whole_over_tp():
+    from dynatrain.models.moe_configs import MOE_CONFIGS
+
+    cfg = MOE_CONFIGS["qwen3-235b-a22b"]
+    work = _moe_work()
+    experts = sum(math.prod(s) for n, s in cfg.param_shapes().items() if ".moe.experts." in n)
+    dense = cfg.num_params() - experts
+    for layout in ("dp_shard=128", "dp_shard=128,ep=8", "dp_shard=128,ep=128"):
+        mem = estimate_layout(layout, _gpus(128), work).memory
+        assert mem.states == pytest.approx(cfg.num_params() / 128 * work.state_bytes)
+    mem = estimate_layout("dp_shard=32,tp=4,ep=16", _gpus(128), work).memory
+    tp_dense = sum(math.prod(s) // (4 if any(k in n for k in ("attention.w", "tok_embeddings", "output")) else 1)
+                   for n, s in cfg.param_shapes().items() if ".moe.experts." not in n)
+    assert tp_dense < dense
+    assert mem.states == pytest.approx((tp_dense + experts) / 32 * work.state_bytes)
+
+
+def test_moe_step_pays_for_the_token_all_to_all_over_the_ep_group():
+    from dynatrain.models.moe_configs import MOE_CONFIGS
+
+    cfg = MOE_CONFIGS["qwen3-235b-a22b"]
+    work = _moe_work()
+    devices = _gpus(128)
+    none = estimate_layout("dp_shard=128", devices, work).time
+    inside = estimate_layout("dp_shard=128,ep=8", devices, work).time
+    across = estimate_layout("dp_shard=128,ep=64", devices, work).time
+    assert none.ep == 0 and inside.ep > 0 and across.ep > inside.ep
+    # ep=8 over tp=1 is one node: tokens x dim x top_k x bf16, 7/8 of it to the other members, 2 directions,
+    # forward and backward, every layer and micro-batch, plus a round latency per all-to-all.
+    net = devices.network
+    nbytes = 1024 * cfg.dim * cfg.top_k * 2
+    per_layer = 4 * (nbytes * 7 / 8 / net.intra_bytes_per_s + net.round_latency_s)
+    assert inside.ep == pytest.approx(inside.micro_steps * cfg.n_layers * per_layer)
+    assert inside.total == pytest.approx(inside.compute + inside.tp + inside.ep + inside.fsdp + inside.hsdp
+                                         - inside.hidden)
+
+
+def test_moe_switch_changing_ep_is_priced_from_the_expert_placements():
+    work = _moe_work(state_kind="fp32")
+    cost = price_switch("dp_shard=128,ep=8", "dp_shard=128,ep=16", _gpus(128), work)
+    same = price_switch("dp_shard=128,ep=8", "dp_shard=128,ep=8", _gpus(128), work)
+    assert same.bytes_moved == 0 and 0 < cost.bytes_moved < cost.bytes_total

@@ -1,6 +1,7 @@
 """``dynatrain plan``: plan a layout switch offline and print what it would cost.
 
     dynatrain plan --model llama3-70b --from dp_shard=16,tp=8 --to dp_shard=8,tp=8 [--leave 3,17]
+    dynatrain plan --model qwen3-235b-a22b --from dp_shard=32,tp=4,ep=16 --to dp_shard=64,tp=2,ep=32
         [--rank-map identity|optimal] [--budget-mb 2048] [--gpus-per-node 8] [--link-gbps 200]
         [--nics-per-node 8] [--intra-node-gbps 3200] [--state fp32-adam|bf16-adam|fp32] [--json]
 """
@@ -13,8 +14,8 @@ import sys
 import time
 
 from dynatrain.memory import freeze_import_time_objects
-from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
-from dynatrain.models.specs import layout_for_model
+from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.models.specs import get_zoo_config, layout_for_model, zoo_names
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import STATE_KINDS
@@ -47,9 +48,11 @@ def _layout(text: str) -> ParallelConfig:
 
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS), help="model shapes to plan for")
+    parser.add_argument("--model", required=True, choices=zoo_names(),
+                        help="model shapes to plan for (dense Llama or mixture-of-experts)")
     parser.add_argument("--from", dest="old", required=True, type=_layout, metavar="LAYOUT",
-                        help="current layout, e.g. dp_shard=16,tp=8 (processes 0..N-1 in mesh order)")
+                        help="current layout, e.g. dp_shard=16,tp=8 or dp_shard=32,tp=4,ep=16 (processes 0..N-1 in mesh "
+                             "order)")
     parser.add_argument("--to", dest="new", required=True, type=_layout, metavar="LAYOUT", help="target layout")
     parser.add_argument("--leave", type=_process_list, default=[], metavar="IDS",
                         help="processes that must leave, e.g. 3,17 or 64-127 (they still send what they hold)")
@@ -81,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def compute(args: argparse.Namespace) -> dict:
     """The plan's figures as a dict (what --json prints)."""
-    model = get_model_config(args.model)
+    model = get_zoo_config(args.model)
     args.old.validate(model)
     args.new.validate(model)
     if not args.budget_mb > 0:
@@ -92,7 +95,9 @@ def compute(args: argparse.Namespace) -> dict:
     freeze_import_time_objects()  # what the planner's imports made is never garbage: keep collections cheap
     start = time.perf_counter()
     old = layout_for_model(model, args.old, args.state)
-    plan = plan_switch(old, args.new, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
+    # Expert placements follow no dense rule: the target's boxes come from its own analytic placements.
+    target = layout_for_model(model, args.new, args.state) if isinstance(model, MoEConfig) else args.new
+    plan = plan_switch(old, target, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
                        budget_bytes=budget, gpus_per_node=args.gpus_per_node)
     sent, recv = plan.rank_bytes()
     # What one rank computes at switch time: the global part above plus its own pieces; time the busiest.

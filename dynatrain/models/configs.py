@@ -95,6 +95,8 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
                     ffn_dim=14336, max_seq_len=8192),
         ModelConfig("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                     ffn_dim=28672, max_seq_len=8192),
+        ModelConfig("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                    ffn_dim=53248, max_seq_len=8192),
     )
 }
 

@@ -4,9 +4,11 @@ Processes keep their identity across a switch, but DeviceMesh accepts any arrang
 are free. Placing process ``c`` at position ``q`` saves the ``W[c, q]`` bytes of ``q``'s new shards that
 ``c`` already holds; the best assignment maximises the total saving (= minimises bytes on the wire).
 
-* Without a node constraint this is a rectangular linear assignment problem, solved exactly
-  (``scipy.optimize.linear_sum_assignment``, a shortest-augmenting-path method: 10 to 70 ms at 1,024
-  processes). It also decides who stays idle when more processes are available than positions.
+* Without a node constraint this is a rectangular linear assignment problem, solved exactly. ``W`` is sparse
+  (a process holds what few positions need), so it splits into the connected components of its nonzero
+  entries; each is solved alone (``scipy.optimize.linear_sum_assignment``), which is exact because no saving
+  links two components, and positions left over take the left-over processes in ascending order (they save
+  nothing wherever they go). It also decides who stays idle when more processes are available than positions.
 * With ``gpus_per_node``, each new TP group (``tp`` consecutive positions) must sit inside one node, which
   is no longer a plain assignment problem. The heuristic solves it in two exact levels: (1) the value of
   placing TP group g on node n is the best matching of g's positions to n's processes; an assignment
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import bmat, csr_matrix, issparse
+from scipy.sparse.csgraph import connected_components
 
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -127,19 +131,40 @@ def _lap(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, cols
 
 
+def _sparse_lap(w: csr_matrix) -> np.ndarray:
+    """For every column, its row in a maximum-weight assignment (rows >= columns), component by component."""
+    n_r, n_c = w.shape
+    graph = bmat([[None, w], [w.T, None]], format="csr")
+    _, labels = connected_components(graph, directed=False)
+    row_of = np.full(n_c, -1, dtype=np.int64)
+    used = np.zeros(n_r, dtype=bool)
+    order = np.argsort(labels, kind="stable")
+    bounds = np.flatnonzero(np.diff(labels[order])) + 1
+    for members in np.split(order, bounds):
+        rows, cols = members[members < n_r], members[members >= n_r] - n_r
+        if not len(rows) or not len(cols):
+            continue  # a process or a position that saves nothing anywhere
+        r, c = _lap(w[rows][:, cols].toarray())
+        row_of[cols[c]] = rows[r]
+        used[rows[r]] = True
+    free_cols = np.flatnonzero(row_of < 0)
+    row_of[free_cols] = np.flatnonzero(~used)[: len(free_cols)]
+    return row_of
+
+
 def optimal_map(
-    w: np.ndarray, cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | None = None
+    w, cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | None = None
 ) -> list[int]:
-    """The assignment that keeps the most bytes in place (see the module docstring)."""
+    """The assignment that keeps the most bytes in place (see the module docstring); ``w`` dense or sparse."""
     q_total = pcfg.world_size
     if w.shape != (len(cands), q_total):
         raise ValueError(f"saved matrix has shape {w.shape}, expected {(len(cands), q_total)}")
     out = [-1] * q_total
     if gpus_per_node is None or pcfg.tp == 1:
-        rows, cols = _lap(w)
-        for r, c in zip(rows, cols):
-            out[int(c)] = cands[int(r)]
-        return out
+        row_of = _sparse_lap(csr_matrix(w))
+        return [cands[int(r)] for r in row_of]
+    if issparse(w):
+        w = w.toarray()
     _check_nodes(pcfg, gpus_per_node)
     tp, n_groups = pcfg.tp, pcfg.dp_size
     blocks = _node_blocks(cands, gpus_per_node)
@@ -235,9 +260,11 @@ def _improve(
     return node_of_group
 
 
-def kept_bytes(w: np.ndarray, cands: list[int], rank_map: Sequence[int]) -> int:
+def kept_bytes(w, cands: list[int], rank_map: Sequence[int]) -> int:
+    """Bytes the positions of ``rank_map`` need that their processes already hold (``w`` dense or sparse)."""
     row = {p: i for i, p in enumerate(cands)}
-    return int(sum(w[row[p], q] for q, p in enumerate(rank_map)))
+    rows = np.array([row[p] for p in rank_map], dtype=np.int64)
+    return int(np.asarray(w[rows, np.arange(len(rank_map))]).sum())
 
 
 def check_rank_map(

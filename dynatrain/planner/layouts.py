@@ -1,5 +1,5 @@
-"""Layout planner: which ``dp_replicate x dp_shard x tp`` to run on the devices at hand, and whether a switch
-to it pays for itself.
+"""Layout planner: which ``dp_replicate x dp_shard x tp`` (and, for a mixture-of-experts model, which ``ep``) to
+run on the devices at hand, and whether a switch to it pays for itself.
 
 Pure Python (no torch, no process group): a 70B model on 1,024 devices is sized in milliseconds. The cost model,
 its formulas and its assumptions are in docs/layouts.md; the switch cost comes from the routing planner
@@ -19,10 +19,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from dynatrain.models.configs import ModelConfig, get_model_config
+from dynatrain.models.configs import ModelConfig
+from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.models.moe_specs import is_routed_expert, moe_tp_dim
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.models.specs import model_states, rule_for_param
+from dynatrain.models.specs import get_zoo_config, layout_for_model, model_states, rule_for_param
 from dynatrain.vps.layout import DTYPE_ITEMSIZE, STATE_KINDS, Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -72,7 +74,7 @@ class Workload:
     FSDP gathers parameters in and activations are kept in (the strategy's ``param_dtype``; ``float32`` without
     mixed precision); ``reduce_dtype`` the dtype of the gradient reduction."""
 
-    model: ModelConfig | str
+    model: ModelConfig | MoEConfig | str
     seq_len: int
     global_batch: int
     micro_batch: int = 1
@@ -83,7 +85,7 @@ class Workload:
     fused_attention: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", get_model_config(self.model))
+        object.__setattr__(self, "model", get_zoo_config(self.model))
         for name in ("seq_len", "global_batch", "micro_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -166,10 +168,11 @@ class StepTime:
     hsdp: float    # gradient all-reduces over dp_replicate
     tp: float      # activation all-reduces and the logits all-gather inside the TP group
     hidden: float  # data-parallel communication hidden behind compute
+    ep: float = 0.0  # token dispatch and combine all-to-alls inside the ep group (mixture of experts)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.fsdp + self.hsdp - self.hidden
+        return self.compute + self.tp + self.ep + self.fsdp + self.hsdp - self.hidden
 
 
 @dataclass(frozen=True)
@@ -214,23 +217,38 @@ class LayoutCandidate:
 # ---------------------------------------------------------------------------------------------- model sizes
 @dataclass(frozen=True)
 class _Sizes:
-    tp_local: int  # parameters one TP rank holds before FSDP shards them
+    tp_local: int  # parameters one TP rank holds before FSDP shards them, routed experts excluded
     block: int     # of those, one transformer block's
     root: int      # of those, the root FSDP unit's (embeddings, final norm, output)
-    matmul: int    # global parameters that multiply activations: all but the input embedding
+    matmul: int    # global parameters one token multiplies: all but the input embedding and the routed experts
+    experts: int = 0        # routed expert parameters, all layers (whole on every TP rank)
+    expert_block: int = 0   # of those, one layer's
+    expert_active: int = 0  # routed expert parameters one token multiplies (top_k of n_experts)
+
+
+def _tp_dim(model: ModelConfig | MoEConfig, name: str, shape: tuple[int, ...]) -> int | None:
+    return moe_tp_dim(name) if isinstance(model, MoEConfig) else rule_for_param(name, shape).tp_dim
 
 
 @lru_cache(maxsize=256)
-def _sizes(model: ModelConfig, tp: int) -> _Sizes:
-    tp_local = block = root = 0
+def _sizes(model: ModelConfig | MoEConfig, tp: int) -> _Sizes:
+    tp_local = block = root = experts = expert_block = 0
     for name, shape in model.param_shapes().items():
         n = math.prod(shape)
-        local = n if rule_for_param(name, shape).tp_dim is None else n // tp
+        if is_routed_expert(name):
+            experts += n
+            expert_block += n if name.startswith("layers.0.") else 0
+            continue
+        local = n if _tp_dim(model, name, shape) is None else n // tp
         tp_local += local
         if name.startswith("layers.0."):
             block += local
         elif not name.startswith("layers."):
             root += local
+    if isinstance(model, MoEConfig):
+        active = experts * model.top_k // model.n_experts
+        matmul = model.num_params() - experts - model.vocab_size * model.dim
+        return _Sizes(tp_local, block, root, matmul, experts, expert_block, active)
     matmul = model.num_params() - model.vocab_size * model.dim
     return _Sizes(tp_local, block, root, matmul)
 
@@ -255,6 +273,15 @@ def _groups(cfg: ParallelConfig, per_node: int) -> tuple[_Group, _Group]:
     shard = [i * t for i in range(s)]
     replicate = [i * s * t for i in range(r)]
     return _group(shard, per_node), _group(replicate, per_node)
+
+
+def _expert_groups(cfg: ParallelConfig, per_node: int) -> tuple[_Group, _Group]:
+    """The ep and efsdp groups through position 0: an ep group is ``ep`` consecutive dp_shard indices, an efsdp
+    group every ``ep``-th one."""
+    t = cfg.tp
+    ep = [i * t for i in range(cfg.ep)]
+    efsdp = [i * cfg.ep * t for i in range(cfg.efsdp)]
+    return _group(ep, per_node), _group(efsdp, per_node)
 
 
 def _tp_spans_nodes(cfg: ParallelConfig, per_node: int) -> bool:
@@ -289,10 +316,44 @@ def _collective_seconds(nbytes: float, group: _Group, devices: Devices, all_redu
     return max(inter, intra if k > 1 else 0.0)
 
 
+def _all_to_all_seconds(nbytes: float, group: _Group, devices: Devices) -> float:
+    """Bandwidth time of one all-to-all in which every member sends ``nbytes``, spread evenly over the members
+    (its own share stays): the share for members on other nodes leaves over the inter-node links."""
+    n = group.size
+    if n == 1 or nbytes == 0:
+        return 0.0
+    net = devices.network
+    k = group.per_node
+    intra = nbytes * (k - 1) / n / net.intra_bytes_per_s
+    inter = nbytes * (n - k) / n / _inter_share(devices)
+    return max(intra, inter)
+
+
 # ---------------------------------------------------------------------------------------------- estimates
+def _moe_activation_bytes_per_token(model: MoEConfig, work: Workload, tp: int) -> float:
+    """As `_activation_bytes_per_token`, for the MoE block of dynatrain/models/moe.py: attention as the dense
+    block (TP-sharded), then the router's fp32 scores, the ``top_k`` copies of the token sent to its experts (and
+    received back), each expert's SwiGLU intermediates, and the shared expert's; none of the MoE part is split
+    over TP (every TP rank routes the same tokens)."""
+    e = DTYPE_ITEMSIZE[work.compute_dtype]
+    h, s, k = model.dim, work.seq_len, model.top_k
+    q = model.n_heads * model.attn_head_dim
+    kv = model.n_kv_heads * model.attn_head_dim
+    norms = 2 * (4 + e) * h / (tp if work.sequence_parallel else 1)
+    attention = (e * (2 * q + 2 * kv) + 4 * (q + kv)) / tp
+    scores = 0 if work.fused_attention else 2 * e * model.n_heads * s / tp
+    router = 4 * 2 * model.n_experts
+    routed = k * (2 * e * h + 4 * e * model.moe_ffn_dim)
+    shared = 4 * e * model.shared_ffn_dim
+    final_norm = (4 + e) * h / (tp if work.sequence_parallel else 1)
+    return model.n_layers * (norms + attention + scores + router + routed + shared) + final_norm
+
+
 def _activation_bytes_per_token(model: ModelConfig, work: Workload, tp: int) -> float:
     """Bytes one token's activations occupy until backward, over all layers: what autograd saves for the
     block in dynatrain/models/llama.py (see docs/layouts.md)."""
+    if isinstance(model, MoEConfig):
+        return _moe_activation_bytes_per_token(model, work, tp)
     e = DTYPE_ITEMSIZE[work.compute_dtype]
     h, f, s = model.dim, model.ffn_dim, work.seq_len
     kv = model.n_kv_heads * model.head_dim
@@ -318,14 +379,17 @@ def _logit_bytes_per_token(model: ModelConfig, work: Workload) -> float:
 def estimate_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
     model = work.model
     sizes = _sizes(model, cfg.tp)
-    shard = sizes.tp_local / cfg.dp_shard
+    # Routed experts split over ep and then over efsdp: every dp_shard rank holds 1/dp_shard of them, whatever ep.
+    shard = (sizes.tp_local + sizes.experts) / cfg.dp_shard
+    # A block gathers its experts over efsdp only: each rank computes with its ep group's share.
+    block = sizes.block + sizes.expert_block / cfg.ep
     ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
     gathered = 0.0
     if cfg.dp_shard > 1 or work.compute_dtype != work.weight_dtype:
         # The root stays gathered through forward and backward; prefetch holds the current and next block.
-        gathered += (sizes.root + 2 * sizes.block) * ce
+        gathered += (sizes.root + 2 * block) * ce
     if cfg.dp_size > 1:
-        gathered += sizes.block * re  # one block's gradient before it is reduced
+        gathered += block * re  # one block's gradient before it is reduced
     tokens = work.micro_batch * work.seq_len
     return MemoryEstimate(
         states=shard * work.state_bytes,
@@ -336,10 +400,16 @@ def estimate_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
     )
 
 
-def _compute_seconds(devices: Devices, work: Workload) -> float:
+def _compute_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> float:
     model = work.model
-    per_token = 6 * _sizes(model, 1).matmul + 12 * model.n_layers * model.dim * work.seq_len
-    return work.tokens_per_step * per_token / devices.count / (devices.flops * devices.efficiency)
+    sizes = _sizes(model, 1)
+    width = model.n_heads * model.attn_head_dim if isinstance(model, MoEConfig) else model.dim
+    per_token = 6 * sizes.matmul + 12 * model.n_layers * width * work.seq_len
+    rate = devices.flops * devices.efficiency
+    dense = work.tokens_per_step * per_token / devices.count / rate
+    # Routed experts are not split over TP: every TP rank computes its tokens' experts in full.
+    experts = work.tokens_per_step * 6 * sizes.expert_active / cfg.dp_size / rate
+    return dense + experts
 
 
 def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: CostModel,
@@ -359,9 +429,11 @@ def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: C
         fsdp = (_collective_seconds(gather, shard_group, devices, all_reduce=False)
                 + _collective_seconds(sizes.tp_local * re, shard_group, devices, all_reduce=False)
                 + (3 * layers + 1) * latency)
+    fsdp += _expert_fsdp_seconds(cfg, sizes, devices, work)
     hsdp = 0.0
     if cfg.dp_replicate > 1:
-        hsdp = (_collective_seconds(sizes.tp_local / cfg.dp_shard * re, replicate_group, devices, all_reduce=True)
+        local = (sizes.tp_local + sizes.experts) / cfg.dp_shard
+        hsdp = (_collective_seconds(local * re, replicate_group, devices, all_reduce=True)
                 + (layers + 1) * latency)
     tp = 0.0
     if cfg.tp > 1:
@@ -375,10 +447,38 @@ def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: C
               + _collective_seconds(logits, tp_group, devices, all_reduce=False)
               + (reduces + 1) * latency)
 
-    compute = _compute_seconds(devices, work)
+    compute = _compute_seconds(cfg, devices, work)
     dp_comm = micro_steps * (fsdp + hsdp)
+    ep = _all_to_all_step_seconds(cfg, devices, work)
     return StepTime(micro_steps, compute, micro_steps * fsdp, micro_steps * hsdp, micro_steps * tp,
-                    hidden=min(dp_comm, cost.overlap * compute))
+                    hidden=min(dp_comm, cost.overlap * compute), ep=micro_steps * ep)
+
+
+def _expert_fsdp_seconds(cfg: ParallelConfig, sizes: _Sizes, devices: Devices, work: Workload) -> float:
+    """One micro-batch's all-gathers and reduce-scatters of the routed experts: each rank's ep-local experts
+    over its efsdp group (over all of dp_shard without ep)."""
+    if not sizes.experts or cfg.efsdp == 1:
+        return 0.0
+    ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
+    _, efsdp_group = _expert_groups(cfg, devices.per_node)
+    local, block = sizes.experts / cfg.ep, sizes.expert_block / cfg.ep
+    return (_collective_seconds((2 * local - block) * ce, efsdp_group, devices, all_reduce=False)
+            + _collective_seconds(local * re, efsdp_group, devices, all_reduce=False)
+            + 3 * work.model.n_layers * devices.network.round_latency_s)
+
+
+def _all_to_all_step_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> float:
+    """One micro-batch's token all-to-alls with ep > 1: per layer every rank sends each of its tokens ``top_k``
+    times (dispatch) and gets them back (combine), forward and again backward, over its ep group. Never hidden:
+    the layer waits for its tokens."""
+    model = work.model
+    if cfg.ep == 1 or not isinstance(model, MoEConfig):
+        return 0.0
+    tokens = work.micro_batch * work.seq_len
+    nbytes = tokens * model.dim * model.top_k * DTYPE_ITEMSIZE[work.compute_dtype]
+    ep_group, _ = _expert_groups(cfg, devices.per_node)
+    per_layer = 2 * 2 * (_all_to_all_seconds(nbytes, ep_group, devices) + devices.network.round_latency_s)
+    return model.n_layers * per_layer
 
 
 def _structural_reasons(cfg: ParallelConfig, devices: Devices, work: Workload) -> list[str]:
@@ -427,23 +527,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_configs(count: int) -> list[ParallelConfig]:
-    """Every (dp_replicate, dp_shard, tp) whose product is ``count``."""
+def enumerate_configs(count: int, model: ModelConfig | MoEConfig | None = None) -> list[ParallelConfig]:
+    """Every (dp_replicate, dp_shard, tp) whose product is ``count``; for a mixture-of-experts ``model`` also
+    every ep that divides both dp_shard and the model's experts."""
+    n_experts = getattr(model, "n_experts", None)
     out = []
     for tp in _divisors(count):
         for shard in _divisors(count // tp):
-            out.append(ParallelConfig(count // (tp * shard), shard, tp))
+            eps = [e for e in _divisors(shard) if n_experts and not n_experts % e] or [1]
+            out += [ParallelConfig(count // (tp * shard), shard, tp, ep) for ep in eps]
     return out
 
 
 def _rank_key(c: LayoutCandidate) -> tuple:
     # Equal predicted times (compute-bound layouts) go to the smaller memory footprint, then the simpler mesh.
-    return (float(f"{c.step_seconds:.9g}"), c.memory_bytes, c.config.tp, c.config.dp_replicate)
+    return (float(f"{c.step_seconds:.9g}"), c.memory_bytes, c.config.tp, c.config.dp_replicate, c.config.ep)
 
 
 def rank_layouts(devices: Devices, work: Workload, cost: CostModel = CostModel()) -> list[LayoutCandidate]:
     """Every layout of ``devices.count`` devices: runnable ones fastest first, then the excluded ones."""
-    cands = [estimate_layout(cfg, devices, work, cost) for cfg in enumerate_configs(devices.count)]
+    cands = [estimate_layout(cfg, devices, work, cost) for cfg in enumerate_configs(devices.count, work.model)]
     runnable = sorted((c for c in cands if c.runnable), key=_rank_key)
     return runnable + [c for c in cands if not c.runnable]
 
@@ -491,7 +594,12 @@ def price_switch(current: ParallelConfig | str, target: ParallelConfig | str, de
     ``rank_map``: the process at each position of ``current`` (identity by default). ``leave``/``lost`` pass
     through to `plan_switch` for a change of device count."""
     current, target = ParallelConfig.parse(current), ParallelConfig.parse(target)
-    old = Layout.from_config(model_states(work.model, work.state_kind), current, rank_map)
+    if isinstance(work.model, MoEConfig):
+        # Expert placements follow no dense rule: both layouts come from the analytic MoE placements.
+        old = layout_for_model(work.model, current, work.state_kind, rank_map)
+        target = layout_for_model(work.model, target, work.state_kind)
+    else:
+        old = Layout.from_config(model_states(work.model, work.state_kind), current, rank_map)
     plan = plan_switch(old, target, leave=leave, lost=lost, rank_map="optimal", budget_bytes=budget_bytes,
                        gpus_per_node=devices.per_node, compare_identity=False)
     return SwitchCost(plan.bytes_moved, plan.bytes_total, plan.num_rounds,

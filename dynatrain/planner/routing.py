@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.sparse import coo_matrix, csr_matrix
 
 from dynatrain.vps.box import Box
 from dynatrain.vps.layout import Layout
@@ -186,17 +187,19 @@ def _expand(ptr: np.ndarray, ind: np.ndarray, which: np.ndarray) -> tuple[np.nda
     return rep, ind[starts + np.arange(counts.sum())]
 
 
-def saved_matrix(ovs: tuple[ClassOverlap, ...], old: Layout, new: Layout, candidates: list[int]) -> np.ndarray:
+def saved_matrix(ovs: tuple[ClassOverlap, ...], old: Layout, new: Layout, candidates: list[int]) -> csr_matrix:
     """``W[c, q]``: bytes new position ``q`` needs that candidate process ``candidates[c]`` already holds.
 
     Putting candidate c at position q saves W[c, q] bytes of wire traffic; the assignment maximises the sum.
+    Sparse: a process holds a little of what a few positions need, and at 16,384 processes the dense matrix
+    alone would take 2 GiB.
     """
     row = np.full(len(old.rank_map), -1, dtype=np.int64)
     where = {p: i for i, p in enumerate(candidates)}
     for q, p in enumerate(old.rank_map):
         if p is not None and p in where:
             row[q] = where[p]
-    w = np.zeros((len(candidates), new.world_size), dtype=np.int64)
+    rows_all, cols_all, vals_all = [], [], []
     for ov in ovs:
         if not len(ov.volume):
             continue
@@ -206,8 +209,15 @@ def saved_matrix(ovs: tuple[ClassOverlap, ...], old: Layout, new: Layout, candid
         keep = rows >= 0
         pair, rows = pair[keep], rows[keep]
         pair2, nidx = _expand(ov.new_ptr, ov.new_ind, ov.new_of[pair])
-        cols = nb.position[nidx]
-        np.add.at(w, (rows[pair2], cols), ov.volume[pair][pair2] * ov.route.bytes_per_element)
+        rows_all.append(rows[pair2])
+        cols_all.append(nb.position[nidx])
+        vals_all.append(ov.volume[pair][pair2] * ov.route.bytes_per_element)
+    shape = (len(candidates), new.world_size)
+    if not rows_all:
+        return csr_matrix(shape, dtype=np.int64)
+    w = coo_matrix((np.concatenate(vals_all).astype(np.int64),
+                    (np.concatenate(rows_all), np.concatenate(cols_all))), shape=shape).tocsr()
+    w.sum_duplicates()
     return w
 
 

@@ -1,0 +1,111 @@
+"""Analytic state specs of the zoo's mixture-of-experts models: every routed state and its placements under
+`parallelize_moe`, from the config alone, so `dynatrain plan` sizes a 235B MoE switch at 1,024 ranks without
+building anything. A test holds them equal to the placements captured from a real meta build.
+
+What `parallelize_moe` gives (on the root mesh ``(dp_replicate, dp_shard, tp)``, or ``(dp_replicate, efsdp, ep,
+tp)`` with ep):
+- tensor parallelism splits attention (wq, wk, wv on dim 0, wo on dim 1), the embedding (rows) and the output
+  (dim 0); the router, the shared expert, the norms and the routed experts stay whole on every TP rank;
+- dense states are FSDP2 ``Shard(0)`` over dp_shard (``_StridedShard(0, tp)`` when TP split dim 0), replicated
+  over dp_replicate: exactly the dense zoo's rule (`vps.rules.rule_sharding`);
+- routed experts (``[E, ...]``) with ep > 1: ``Shard(0)`` over ep, then FSDP2 over efsdp on the ep-local stack,
+  which DTensor records as ``_StridedShard(0, ep)`` on efsdp; with ep == 1 they are dense states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.vps.layout import STATE_KINDS, Layout, StateSpec
+from dynatrain.vps.parallel_config import ParallelConfig
+from dynatrain.vps.placement import Shard, Sharding, StridedShard
+from dynatrain.vps.rules import ShardRule, rule_sharding
+
+# Module suffixes `parallelize_moe` splits over tp, and the dimension; every other parameter is whole per TP rank.
+_TP_DIM = {
+    "tok_embeddings": 0,  # RowwiseParallel on an nn.Embedding shards the vocabulary rows
+    "output": 0,
+    "attention.wq": 0,
+    "attention.wk": 0,
+    "attention.wv": 0,
+    "attention.wo": 1,
+}
+_EXPERT_SUFFIXES = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
+
+
+def _block_suffix(name: str) -> str:
+    """``layers.3.attention.wq.weight`` -> ``attention.wq``; a top-level ``output.weight`` -> ``output``."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        parts = parts[2:]
+    if parts[-1] == "weight":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def is_routed_expert(name: str) -> bool:
+    return _block_suffix(name) in _EXPERT_SUFFIXES
+
+
+def moe_tp_dim(name: str) -> int | None:
+    """The dimension `parallelize_moe` splits over tp for parameter ``name`` (None: whole on every TP rank)."""
+    return _TP_DIM.get(_block_suffix(name))
+
+
+def expert_sharding(pcfg: ParallelConfig) -> Sharding:
+    """The placements of a routed expert stack ``[E, ...]`` on the root mesh of ``pcfg``."""
+    if pcfg.ep == 1:
+        return rule_sharding(ShardRule((1,)), pcfg)  # FSDP Shard(0) over dp_shard, like any whole-per-TP state
+    names = pcfg.mesh_dim_names
+    efsdp, ep = names.index("efsdp"), names.index("ep")
+    placements, dims = [], []
+    # A mesh dimension of size 1 splits nothing, and the captured sharding leaves it out: do the same.
+    if pcfg.efsdp > 1:
+        placements.append(StridedShard(0, pcfg.ep))
+        dims.append((efsdp,))
+    placements.append(Shard(0))
+    dims.append((ep,))
+    return Sharding(pcfg.mesh_shape, tuple(placements), tuple(dims))
+
+
+@lru_cache(maxsize=64)
+def _param_shardings(cfg: MoEConfig, pcfg: ParallelConfig) -> tuple[tuple[str, tuple[int, ...], Sharding], ...]:
+    experts = expert_sharding(pcfg)
+    dense: dict[int | None, Sharding] = {}
+    out = []
+    for name, shape in cfg.param_shapes().items():
+        if is_routed_expert(name):
+            sh = experts
+        else:
+            tp_dim = moe_tp_dim(name)
+            if tp_dim not in dense:
+                # The rule's shape only matters for its rank; placements depend on the split dimension alone.
+                dense[tp_dim] = rule_sharding(ShardRule((1, 1), tp_dim), pcfg)
+            sh = dense[tp_dim]
+        out.append((name, tuple(shape), sh))
+    return tuple(out)
+
+
+def moe_states(cfg: MoEConfig, kind: str = "fp32-adam") -> tuple[StateSpec, ...]:
+    """Every routed state: per parameter (registration order), the weight and its optimizer states."""
+    if kind not in STATE_KINDS:
+        raise ValueError(f"unknown state kind {kind!r}; choose one of {', '.join(STATE_KINDS)}")
+    out = []
+    for name, shape in cfg.param_shapes().items():
+        tp_dim = None if is_routed_expert(name) else moe_tp_dim(name)
+        for suffix, dtype in STATE_KINDS[kind]:
+            out.append(StateSpec(name + suffix, shape, dtype, tp_dim))
+    return tuple(out)
+
+
+def moe_layout(cfg: MoEConfig, pcfg: ParallelConfig, kind: str = "fp32-adam",
+               rank_map: Sequence[int | None] | None = None) -> Layout:
+    """The layout `parallelize_moe` gives ``cfg`` on ``pcfg``; ``rank_map`` defaults to position = process."""
+    pcfg.validate(cfg)
+    per_param = _param_shardings(cfg, pcfg)
+    states = moe_states(cfg, kind)
+    per_state = len(STATE_KINDS[kind])
+    shardings = [sh for _, _, sh in per_param for _ in range(per_state)]
+    return Layout.from_shardings(states, shardings, pcfg, rank_map)
