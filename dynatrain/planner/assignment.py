@@ -4,11 +4,11 @@ Processes keep their identity across a switch, but DeviceMesh accepts any arrang
 are free. Placing process ``c`` at position ``q`` saves the ``W[c, q]`` bytes of ``q``'s new shards that
 ``c`` already holds; the best assignment maximises the total saving (= minimises bytes on the wire).
 
-* Without a node constraint this is a rectangular linear assignment problem, solved exactly. ``W`` is sparse
-  (a process holds what few positions need), so it splits into the connected components of its nonzero
-  entries; each is solved alone (``scipy.optimize.linear_sum_assignment``), which is exact because no saving
-  links two components, and positions left over take the left-over processes in ascending order (they save
-  nothing wherever they go). It also decides who stays idle when more processes are available than positions.
+* Without a node constraint this is a rectangular linear assignment problem, solved exactly on the nonzero
+  entries of ``W`` only (``scipy.sparse.csgraph.min_weight_full_bipartite_matching``): a process holds what a
+  few positions need, so at 16,384 processes ``W`` has some 300,000 entries, not 268 million. Positions that
+  save nothing anywhere take the left-over processes in ascending order. It also decides who stays idle when
+  more processes are available than positions.
 * With ``gpus_per_node``, each new TP group (``tp`` consecutive positions) must sit inside one node, which
   is no longer a plain assignment problem. The heuristic solves it in two exact levels: (1) the value of
   placing TP group g on node n is the best matching of g's positions to n's processes; an assignment
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
-from scipy.sparse import bmat, csr_matrix, issparse
-from scipy.sparse.csgraph import connected_components
+from scipy.sparse import coo_matrix, csr_matrix, issparse
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -132,22 +132,33 @@ def _lap(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sparse_lap(w: csr_matrix) -> np.ndarray:
-    """For every column, its row in a maximum-weight assignment (rows >= columns), component by component."""
+    """For every column, its row in a maximum-weight assignment (rows >= columns) on the nonzero entries only.
+
+    Each column also gets a private dummy row of weight 0: a column on a dummy is one that saves nothing
+    wherever it goes, and takes a left-over real row afterwards (ascending), which is always possible and
+    changes no total. Weights become costs ``top - w`` so every column is matched at least cost: the sum is
+    ``columns * top - saved``, exact in float64 while it stays below 2**53."""
     n_r, n_c = w.shape
-    graph = bmat([[None, w], [w.T, None]], format="csr")
-    _, labels = connected_components(graph, directed=False)
+    if n_c == 0:
+        return np.zeros(0, dtype=np.int64)
+    w = w.tocoo()
+    keep = w.data > 0
+    rows, cols, vals = w.row[keep], w.col[keep], w.data[keep].astype(np.int64)
+    top = int(vals.max(initial=0)) + 1
+    if top * n_c >= 2 ** 53:
+        raise ValueError("saved-bytes matrix too large to assign exactly in float64")
+    dummy = np.arange(n_c)
+    cost = coo_matrix(
+        (np.concatenate([(top - vals).astype(np.float64), np.full(n_c, float(top))]),
+         (np.concatenate([rows, n_r + dummy]), np.concatenate([cols, dummy]))),
+        shape=(n_r + n_c, n_c)).tocsr()
+    matched_rows, matched_cols = min_weight_full_bipartite_matching(cost.T.tocsr())  # rows of cost.T: columns
     row_of = np.full(n_c, -1, dtype=np.int64)
+    row_of[matched_rows] = matched_cols
+    real = row_of < n_r
     used = np.zeros(n_r, dtype=bool)
-    order = np.argsort(labels, kind="stable")
-    bounds = np.flatnonzero(np.diff(labels[order])) + 1
-    for members in np.split(order, bounds):
-        rows, cols = members[members < n_r], members[members >= n_r] - n_r
-        if not len(rows) or not len(cols):
-            continue  # a process or a position that saves nothing anywhere
-        r, c = _lap(w[rows][:, cols].toarray())
-        row_of[cols[c]] = rows[r]
-        used[rows[r]] = True
-    free_cols = np.flatnonzero(row_of < 0)
+    used[row_of[real]] = True
+    free_cols = np.flatnonzero(~real)
     row_of[free_cols] = np.flatnonzero(~used)[: len(free_cols)]
     return row_of
 
