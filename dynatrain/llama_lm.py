@@ -1,4 +1,5 @@
-"""`LlamaLM`: the LightningModule that trains a dynatrain Llama model under any strategy with a device mesh."""
+"""`CausalLM` (also importable as `LlamaLM`): the LightningModule that trains the zoo's decoders, dense Llama and
+mixture-of-experts, under any strategy with a device mesh (MoE models under strategy="dynatrain")."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
-from dynatrain.models.configs import ModelConfig, get_model_config
+from dynatrain import moe_lm
+from dynatrain.models.configs import ModelConfig
 from dynatrain.models.llama import Transformer
+from dynatrain.models.moe_configs import MoEConfig
 from dynatrain.models.parallelize import dp_submesh, materialize_model, parallelize_model
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -27,14 +30,23 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class LlamaLM(pl.LightningModule):
-    """Causal language modelling with a Llama-family decoder.
+class CausalLM(pl.LightningModule):
+    """Causal language modelling with one of the zoo's decoders.
+
+    A mixture-of-experts model adds its load-balancing loss to the training loss; once per optimizer step the
+    tokens each expert received are summed over the data-parallel ranks, move the expert bias, and are logged as
+    ``moe/layer{i}/imbalance`` (busiest expert / mean), ``moe/imbalance_max`` and, with ``log_expert_tokens``,
+    ``moe/layer{i}/expert{e}_tokens`` every ``log_every_n_steps``.
 
     Args:
-        model: a named config (``debug``, ``125m``, ``350m``, ``1b``, ``llama3-8b``, ``llama3-70b``).
+        model: a named config: dense (``debug``, ``125m``, ``350m``, ``1b``, ``llama3-8b``, ``llama3-70b``) or a
+            mixture of experts (``moe-debug``, ``moe-small``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``,
+            ``mixtral-8x7b``).
         model_overrides: fields of the config to change, e.g. ``{"n_layers": 2}``.
         lr: peak learning rate; warmup_steps: linear warmup; min_lr_ratio: final LR / peak LR of the cosine.
         total_steps: length of the cosine; defaults to the Trainer's ``max_steps``.
+        log_expert_tokens: also log every expert's token count (n_layers x n_experts scalars; turn it off for
+            large models, the imbalance figures stay).
     """
 
     def __init__(
@@ -48,14 +60,18 @@ class LlamaLM(pl.LightningModule):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         total_steps: int | None = None,
+        log_expert_tokens: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model_config: ModelConfig = get_model_config(model).with_overrides(**(model_overrides or {}))
-        self.model: Transformer | None = None
+        self.model_config: ModelConfig | MoEConfig = moe_lm.zoo_config(model, model_overrides)
+        self.model: torch.nn.Module | None = None
         self.val_perplexity = Perplexity()
         self.step_losses: list[float] = []
+        # The job's tokens per expert of the last optimizer step, [n_layers, n_experts] (MoE models).
+        self.expert_load: torch.Tensor | None = None
         self._micro_losses: list[torch.Tensor] = []
+        self._micro_aux: list[torch.Tensor] = []
         self._step_tokens = 0
         self._step_start: float | None = None
 
@@ -78,19 +94,25 @@ class LlamaLM(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
-        with torch.device("meta"):
-            model = Transformer(self.model_config)
         strategy = self.trainer.strategy
-        if hasattr(strategy, "parallelize"):
+        with torch.device("meta"):
+            model = moe_lm.build_moe(self.model_config) if self.is_moe else Transformer(self.model_config)
+        if self.is_moe:
+            moe_lm.parallelize_for(model, self.device_mesh, strategy)
+        elif hasattr(strategy, "parallelize"):
             strategy.parallelize(model)
         else:
-            tp_mesh, dp_mesh = _lightning_meshes(self.device_mesh, self.model_config)
+            tp_mesh, dp_mesh = _lightning_meshes(self.device_mesh, self.model_config, strategy)
             parallelize_model(model, tp_mesh, dp_mesh)
         if hasattr(strategy, "materialize"):
             strategy.materialize(model)  # a process joining a running job adopts the shards it received
         else:
             materialize_model(model, strategy.root_device)
         self.model = model
+
+    @property
+    def is_moe(self) -> bool:
+        return moe_lm.is_moe(self.model_config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -108,34 +130,68 @@ class LlamaLM(pl.LightningModule):
         loss, _, labels = self._loss(batch)
         self._micro_losses.append(loss.detach())
         self._step_tokens += labels.numel()
-        return loss
+        aux = self.model.aux_loss() if self.is_moe else None
+        if aux is None:
+            return loss
+        self._micro_aux.append(aux.detach())
+        return loss + aux
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # The loss of the whole global batch: micro-batches are equal-sized, so it is the mean of their means.
         step_loss = torch.stack(self._micro_losses).mean()
+        aux = torch.stack(self._micro_aux).mean() if self._micro_aux else torch.zeros_like(step_loss)
         tokens = torch.tensor(float(self._step_tokens), device=step_loss.device)
+        counts = moe_lm.local_counts(self.model) if self.is_moe else step_loss.new_zeros(0, 0)
+        # One collective for the step's figures: losses, tokens and every router's counts.
+        flat = torch.cat([torch.stack([step_loss, aux, tokens]).float(), counts.flatten().to(step_loss.device)])
         if dist.is_available() and dist.is_initialized():
-            # Every rank of a TP group holds the same loss, so the world mean equals the data-parallel mean.
-            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-            step_loss /= dist.get_world_size()
-            dist.all_reduce(tokens, op=dist.ReduceOp.SUM)
-            tokens /= _tp_size(self.trainer.strategy)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            # Every rank of a TP group holds the same loss and routes the same tokens: the world mean of a loss is
+            # the data-parallel mean, and token sums count each data-parallel rank tp times.
+            tp = _tp_size(self.trainer.strategy)
+            flat[:2] /= dist.get_world_size()
+            flat[2:] /= tp
+        step_loss, aux, tokens = flat[0], flat[1], flat[2]
         elapsed = time.perf_counter() - (self._step_start or time.perf_counter())
         self.step_losses.append(step_loss.item())
         self.log("train/loss", step_loss, prog_bar=True, rank_zero_only=True)
         self.log("train/lr", optimizer.param_groups[0]["lr"], rank_zero_only=True)
         if elapsed > 0:
             self.log("train/tokens_per_s", tokens / elapsed, prog_bar=True, rank_zero_only=True)
+        if self._micro_aux:
+            self.log("train/aux_loss", aux, rank_zero_only=True)
+        if self.is_moe:
+            self._expert_load_step(flat[3:].view_as(counts))
+        self._clear_step()
+
+    def _expert_load_step(self, counts: torch.Tensor) -> None:
+        """The step's job-wide tokens per expert: move the expert bias (the routing of the next forward), keep
+        them for the switch log, and log the load when the loggers are written."""
+        moe_lm.apply_load(self.model, counts)
+        self.expert_load = counts.detach().cpu().clone()
+        every = self.trainer.log_every_n_steps
+        # Lightning writes this step's metrics when (steps done + 1) is a multiple of log_every_n_steps.
+        if every and (self.trainer.global_step + 1) % every == 0:
+            for key, value in moe_lm.load_metrics(self.expert_load, self.hparams.log_expert_tokens).items():
+                self.log(key, value, rank_zero_only=True)
+
+    def expert_imbalance(self) -> list[float] | None:
+        """Per layer, the busiest expert's tokens over the mean at the last optimizer step (None before one, or for
+        a dense model)."""
+        return None if self.expert_load is None else moe_lm.imbalance(self.expert_load).tolist()
+
+    def _clear_step(self) -> None:
         self._micro_losses.clear()
+        self._micro_aux.clear()
         self._step_tokens = 0
         self._step_start = None
 
     def on_train_step_discarded(self) -> None:
         """dynatrain's hook: a fault discarded the optimizer step in progress, which runs again from its first
-        micro-batch; its partial losses must not count."""
-        self._micro_losses.clear()
-        self._step_tokens = 0
-        self._step_start = None
+        micro-batch; its partial losses and routed tokens must not count."""
+        self._clear_step()
+        if self.is_moe and self.model is not None:
+            moe_lm.reset_counts(self.model)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, logits, labels = self._loss(batch)
@@ -145,6 +201,10 @@ class LlamaLM(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self.log("val/perplexity", self.val_perplexity.compute(), sync_dist=False)
         self.val_perplexity.reset()
+        if self.is_moe:
+            # Validation runs between optimizer steps, where the counts start at zero: the tokens it routed are not
+            # training load and must not move the bias.
+            moe_lm.reset_counts(self.model)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -173,9 +233,14 @@ def _tp_size(strategy) -> int:
     return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
 
 
-def _lightning_meshes(mesh, model_config: ModelConfig):
-    """(tp mesh, dp mesh) from a mesh built by Lightning's ModelParallelStrategy."""
+def _lightning_meshes(mesh, model_config: ModelConfig, strategy=None):
+    """(tp mesh, dp mesh) from a mesh built by Lightning's ModelParallelStrategy, or by a strategy that names its
+    layout in ``parallel_config`` (whose mesh may have ep's four dimensions)."""
     names = mesh.mesh_dim_names or ()
+    pcfg = getattr(strategy, "parallel_config", None)
+    if isinstance(pcfg, ParallelConfig) and "tp" in names:
+        pcfg.validate(model_config)
+        return mesh["tp"], dp_submesh(mesh, pcfg)
     if "tensor_parallel" in names and "data_parallel" in names:
         ParallelConfig(dp_shard=mesh["data_parallel"].size(), tp=mesh["tensor_parallel"].size()).validate(
             model_config
@@ -185,6 +250,10 @@ def _lightning_meshes(mesh, model_config: ModelConfig):
         pcfg = ParallelConfig(*mesh.shape)
         return mesh["tp"], dp_submesh(mesh, pcfg)
     raise ValueError(
-        f"LlamaLM needs a device mesh with dims ('data_parallel', 'tensor_parallel') or (dp_replicate, dp_shard, tp);"
+        f"CausalLM needs a device mesh with dims ('data_parallel', 'tensor_parallel') or (dp_replicate, dp_shard, tp);"
         f" got {names}"
     )
+
+
+# The name the dense-only module had; recipes, checkpoints' hyperparameters and user code keep working.
+LlamaLM = CausalLM

@@ -36,6 +36,8 @@ class StepPrinter(pl.Callback):
         parts = [f"step {step:>5}", f"loss {losses[-1]:.4f}"]
         if "train/tokens_per_s" in metrics:
             parts.append(f"tokens/s {float(metrics['train/tokens_per_s']):,.0f}")
+        if "moe/imbalance_max" in metrics:
+            parts.append(f"expert load max/mean {float(metrics['moe/imbalance_max']):.2f}")
         if "val/loss" in metrics:
             parts.append(f"val/loss {float(metrics['val/loss']):.4f}")
         layout = getattr(trainer.strategy, "parallel_config", None)

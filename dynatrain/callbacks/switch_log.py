@@ -3,7 +3,8 @@
 `SwitchLog` watches ``trainer.strategy.switch_reports`` and logs each new `SwitchReport` once, at the step the
 switch happened. It works alone (a fixed recipe of ``request_switch`` calls) and under `ElasticCallback`, which
 adds the decision behind each switch (signal, source, reason). The report holds this rank's bytes, peak memory
-and timings; rank 0's are logged.
+and timings; rank 0's are logged. A switch that changes ep (moves routed experts) also records the expert load it
+was made under (``expert_imbalance``: busiest expert's tokens / mean), when the module reports one.
 
 `format_switch_table` and `plot_loss_with_switches` summarise a finished run (``switches.jsonl`` and Lightning's
 CSV ``metrics.csv``).
@@ -28,7 +29,7 @@ from dynatrain.vps.parallel_config import ParallelConfig
 JSONL_NAME = "switches.jsonl"
 TABLE_KEY = "switch/table"
 TABLE_COLUMNS = ("step", "old_layout", "new_layout", "old_world_size", "world_size", "stall_s", "bytes_moved",
-                 "bytes_moved_identity", "peak_bytes", "verified", "source", "reason", "phases")
+                 "bytes_moved_identity", "peak_bytes", "verified", "expert_imbalance", "source", "reason", "phases")
 
 
 # ------------------------------------------------------------------------------------------------ records
@@ -52,6 +53,30 @@ def _world_of(layout: str | None) -> int | None:
         return None
 
 
+def _ep_of(layout: str | None) -> int | None:
+    try:
+        return ParallelConfig.parse(layout).ep if layout else None
+    except ValueError:
+        return None
+
+
+def ep_changed(record: Mapping) -> bool:
+    """True when the switch moved routed experts between ranks (its ep degree changed)."""
+    old, new = _ep_of(record.get("old_layout")), _ep_of(record.get("new_layout"))
+    return old is not None and new is not None and old != new
+
+
+def add_expert_load(record: dict, module: Any) -> dict:
+    """When the switch changed ep, the expert load it was made under: the busiest expert's tokens over the mean,
+    per layer and the model's maximum, from a module that offers ``expert_imbalance()`` (the zoo's MoE models)."""
+    per_layer = getattr(module, "expert_imbalance", None)
+    per_layer = per_layer() if callable(per_layer) and ep_changed(record) else None
+    if per_layer:
+        record["expert_imbalance"] = max(per_layer)
+        record["expert_imbalance_per_layer"] = [round(x, 4) for x in per_layer]
+    return record
+
+
 def switch_record(report: Any, decision: Mapping | None = None) -> dict:
     """One line of ``switches.jsonl``: the report's fields, both world sizes, the decision behind it if any."""
     d = report_dict(report)
@@ -73,13 +98,16 @@ def switch_record(report: Any, decision: Mapping | None = None) -> dict:
         "verified": d.get("verified"),
         "decision": dict(decision) if decision else None,
     }
+    for key in ("expert_imbalance", "expert_imbalance_per_layer"):  # kept when a jsonl line is read back
+        if d.get(key) is not None:
+            record[key] = d[key]
     return record
 
 
 def switch_metrics(record: Mapping) -> dict[str, float]:
     """The ``switch/...`` metrics of one record; fields the report left empty are left out, not logged as 0."""
     out: dict[str, float] = {}
-    for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size"):
+    for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size", "expert_imbalance"):
         if record.get(key) is not None:
             out[f"switch/{key}"] = float(record[key])
     for phase, seconds in (record.get("phases") or {}).items():
@@ -173,6 +201,7 @@ class SwitchLog(pl.Callback):
         new = []
         for index in range(self._logged, len(reports)):
             record = switch_record(reports[index], self._decision_for(index, reports[index]))
+            add_expert_load(record, getattr(trainer, "lightning_module", None))
             self.records.append(record)
             new.append(record)
         self._logged = len(reports)
@@ -256,6 +285,10 @@ def _mib(n: Any) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _ratio(x: Any) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_switch_table(reports: Iterable[Any]) -> str:
     """A plain-text table of switches (`SwitchReport` objects, their dicts, or ``switches.jsonl`` records)."""
     records = [switch_record(r, (r.get("decision") if isinstance(r, Mapping) else None)) for r in reports]
@@ -264,8 +297,9 @@ def format_switch_table(reports: Iterable[Any]) -> str:
     phases: list[str] = []
     for r in records:
         phases += [p for p in r["phases"] if p not in phases]
+    experts = any(r.get("expert_imbalance") is not None for r in records)
     head = ["step", "from", "to", "world", "stall s", *[f"{p} s" for p in phases], "moved MiB", "identity MiB",
-            "peak MiB", "verified", "trigger"]
+            "peak MiB", *(["expert max/mean"] if experts else []), "verified", "trigger"]
     rows = [head]
     for r in records:
         decision = r.get("decision") or {}
@@ -275,6 +309,7 @@ def format_switch_table(reports: Iterable[Any]) -> str:
             str(r["step"]), str(r["old_layout"]), str(r["new_layout"]), world, f"{r['stall_s'] or 0:.3f}",
             *[f"{r['phases'].get(p, 0.0):.3f}" for p in phases],
             _mib(r["bytes_moved"]), _mib(r["bytes_moved_identity"]), _mib(r["peak_bytes"]),
+            *([_ratio(r.get("expert_imbalance"))] if experts else []),
             {True: "yes", False: "FAILED"}.get(r["verified"], "-"), decision.get("source", "direct"),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

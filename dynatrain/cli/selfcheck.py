@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from dynatrain.launcher import LaunchError, launch_local
-from dynatrain.models.configs import get_model_config
+from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
+from dynatrain.models.moe_configs import MOE_CONFIGS
 from dynatrain.selfcheck.launch import joiners_needed, launch_elastic
 from dynatrain.selfcheck.results import merge_losses, merge_switches
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -32,10 +33,12 @@ LOSS_RTOL = 1e-5
 def add_parser(sub) -> None:
     p = sub.add_parser("selfcheck", help="train with layout switches on CPU and verify each against a DCP oracle",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="debug")
+    p.add_argument("--model", default="debug",
+                   help=f"a zoo model: dense ({', '.join(MODEL_CONFIGS)}) or mixture of experts "
+                        f"({', '.join(MOE_CONFIGS)}), whose layouts may set ep")
     p.add_argument("--module", default=None, metavar="PKG.MODULE:CLASS",
                    help="check your own LightningModule (built with no arguments; importable from the working "
-                        "directory or PYTHONPATH) instead of the zoo's LlamaLM --model")
+                        "directory or PYTHONPATH) instead of the zoo's CausalLM --model")
     p.add_argument("--datamodule", default=None, metavar="PKG.MODULE:CLASS",
                    help="its data (default: the embedded corpus as (tokens, labels) batches of bytes)")
     p.add_argument("--devices", type=int, default=None,
@@ -81,12 +84,23 @@ def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
     return layouts, devices
 
 
+def zoo_config(name: str):
+    """The zoo's config of that name, dense or mixture of experts (pure: the command starts without torch)."""
+    if name in MOE_CONFIGS:
+        return MOE_CONFIGS[name]
+    try:
+        return get_model_config(name)
+    except ValueError:
+        raise SystemExit(f"--model: unknown model {name!r}; choose one of "
+                         f"{', '.join([*MODEL_CONFIGS, *MOE_CONFIGS])}") from None
+
+
 def run(args) -> int:
     if args.inject:
         from dynatrain.selfcheck.faults import run_scenarios
 
         return run_scenarios(args)
-    model = None if args.module else get_model_config(args.model)
+    model = None if args.module else zoo_config(args.model)
     layouts, devices = parse_layouts(args, model)
     if args.steps_between < 1:
         raise SystemExit("--steps-between must be at least 1")

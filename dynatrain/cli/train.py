@@ -1,4 +1,5 @@
-"""`dynatrain fit`: LightningCLI over `LlamaLM` and `LlamaDataModule`, with dynatrain's trainer defaults."""
+"""`dynatrain fit`: LightningCLI over `CausalLM` (the zoo's dense and MoE models) and `LlamaDataModule`, with
+dynatrain's trainer defaults."""
 
 from __future__ import annotations
 
@@ -83,11 +84,11 @@ def _stay_as_standby() -> None:
 def run_lightning_cli(argv: list[str]) -> int:
     import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
     from dynatrain.data import LlamaDataModule
-    from dynatrain.llama_lm import LlamaLM
+    from dynatrain.llama_lm import CausalLM
 
     os.environ.setdefault("WANDB_MODE", "offline")
     cli = _DynaTrainCLI(
-        LlamaLM,
+        CausalLM,
         LlamaDataModule,
         args=argv,
         trainer_defaults={"strategy": "dynatrain", "accelerator": "auto", "use_distributed_sampler": False},

@@ -64,8 +64,9 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if x.shape[0] == 0:
             # With expert parallelism a rank may receive no token at all. The grouped kernel's backward rejects an
-            # empty input, and the weights must still get a (zero) gradient so every rank reduces the same grads.
-            return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum()).to(x.dtype)
+            # empty input. The output must still depend on the weights (every rank then reduces a zero gradient)
+            # and on the input: its backward is the dispatch all-to-all's, which every ep rank must join.
+            return x.new_zeros(0, w2.shape[1]) + 0 * (x.sum() + (w1.sum() + w2.sum() + w3.sum()).to(x.dtype))
         if self.use_grouped_mm:
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))

@@ -24,7 +24,7 @@ import dynatrain
 from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.llama_lm import CausalLM
 from dynatrain.selfcheck import faults, oracle
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -197,7 +197,8 @@ def main() -> None:
     ap.add_argument("--inject", default=None, help="a fault scenario of dynatrain.selfcheck.faults")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one stretch per layout)")
     ap.add_argument("--restarted", action="store_true", help="start from the fault scenario's latest snapshot")
-    ap.add_argument("--module", default=None, help="pkg.module:Class, a LightningModule to check instead of LlamaLM")
+    ap.add_argument("--module", default=None,
+                    help="pkg.module:Class, a LightningModule to check instead of the zoo's CausalLM")
     ap.add_argument("--datamodule", default=None, help="pkg.module:Class (default: the embedded corpus, bytes)")
     args = ap.parse_args()
     layouts = [s.strip() for s in args.layouts.split(">")]
@@ -227,7 +228,7 @@ def main() -> None:
         module = load_class(args.module)()
     else:
         overrides = {"n_layers": args.n_layers} if args.n_layers else None
-        module = LlamaLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
+        module = CausalLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
     if args.datamodule:
         data = load_class(args.datamodule)()
     else:

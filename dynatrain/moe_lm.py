@@ -1,0 +1,100 @@
+"""The mixture-of-experts side of the zoo's LightningModule (`dynatrain.llama_lm.CausalLM`).
+
+An MoE model is parallelised by the zoo's `parallelize_moe` for the strategy's layout (ep included), and its
+routers' load is read from each layer's ``tokens_per_expert``: summed over the data-parallel ranks once per
+optimizer step, it moves the expert bias and gives the expert-load metrics (tokens per expert and max/mean).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynatrain.models.configs import ModelConfig, get_model_config
+from dynatrain.models.moe_configs import MOE_CONFIGS, MoEConfig
+from dynatrain.vps.parallel_config import ParallelConfig
+
+
+def zoo_config(name: str, overrides: dict | None = None) -> ModelConfig | MoEConfig:
+    """A named dense (Llama) or mixture-of-experts config, with fields replaced by ``overrides``."""
+    if name in MOE_CONFIGS:
+        config = MOE_CONFIGS[name]
+    else:
+        try:
+            config = get_model_config(name)
+        except ValueError:
+            raise ValueError(f"unknown model {name!r}; choose a dense one ({', '.join(_dense_names())}) or a "
+                             f"mixture of experts ({', '.join(MOE_CONFIGS)})") from None
+    return config.with_overrides(**(overrides or {}))
+
+
+def _dense_names() -> list[str]:
+    from dynatrain.models.configs import MODEL_CONFIGS
+
+    return list(MODEL_CONFIGS)
+
+
+def is_moe(config) -> bool:
+    return isinstance(config, MoEConfig)
+
+
+def build_moe(config: MoEConfig) -> nn.Module:
+    from dynatrain.models.moe import MoETransformer
+
+    return MoETransformer(config)
+
+
+def parallelize_for(model: nn.Module, mesh, strategy) -> None:
+    """Data, tensor and expert parallelism for the layout the strategy answers with (the target's while a switch
+    builds it)."""
+    from dynatrain.models.moe import parallelize_moe
+
+    pcfg = getattr(strategy, "parallel_config", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if not isinstance(pcfg, ParallelConfig) or "tp" not in names:
+        raise ValueError(f"a mixture-of-experts model needs strategy='dynatrain' (a mesh with an ep dimension); "
+                         f"got {type(strategy).__name__} with mesh dims {names}: set trainer.strategy to dynatrain")
+    if getattr(strategy, "sequence_parallel", False):
+        raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
+                         "sequence_parallel to false")
+    parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None))
+
+
+# ---- the routers' load ------------------------------------------------------------------------------------
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [layer.moe for layer in model.layers.values()]
+
+
+def local_counts(model: nn.Module) -> torch.Tensor:
+    """This rank's tokens per expert since the last step, ``[n_layers, n_experts]`` in fp32 (the buffers may be
+    bf16 under bf16-true precision, where counts above 256 are no longer exact)."""
+    return torch.stack([moe.tokens_per_expert.float() for moe in moe_layers(model)])
+
+
+def apply_load(model: nn.Module, counts: torch.Tensor) -> None:
+    """Move every layer's expert bias by the job's load of the step and start counting again."""
+    for moe, layer_counts in zip(moe_layers(model), counts):
+        moe.update_expert_bias(layer_counts.to(moe.tokens_per_expert.dtype))
+
+
+def reset_counts(model: nn.Module) -> None:
+    for moe in moe_layers(model):
+        moe.tokens_per_expert.zero_()
+
+
+def imbalance(counts: torch.Tensor) -> torch.Tensor:
+    """Per layer, the busiest expert's tokens over the mean (1 is perfect balance; 0 for a layer that saw none)."""
+    mean = counts.mean(-1)
+    return torch.where(mean > 0, counts.max(-1).values / mean.clamp_min(1e-12), torch.zeros_like(mean))
+
+
+def load_metrics(counts: torch.Tensor, per_expert: bool) -> dict[str, float]:
+    """The expert-load metrics of one step: ``moe/layer{i}/imbalance``, the whole model's ``moe/imbalance_max``
+    and, with ``per_expert``, ``moe/layer{i}/expert{e}_tokens``."""
+    ratios = imbalance(counts)
+    out = {f"moe/layer{i}/imbalance": float(r) for i, r in enumerate(ratios)}
+    out["moe/imbalance_max"] = float(ratios.max())
+    if per_expert:
+        for i, layer in enumerate(counts.tolist()):
+            out.update({f"moe/layer{i}/expert{e}_tokens": n for e, n in enumerate(layer)})
+    return out
