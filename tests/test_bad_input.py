@@ -145,7 +145,8 @@ def test_fit_refuses_a_layout_before_any_process_starts(monkeypatch, tmp_path, c
 
 
 def test_fit_names_the_known_models_for_an_unknown_one(monkeypatch, tmp_path):
-    with pytest.raises(ValueError, match="unknown model 'llama-9000'; choose one of debug, 125m, 350m, 1b"):
+    known = r"choose a dense one \(debug, 125m, 350m, 1b.*or a mixture of experts \(moe-debug"
+    with pytest.raises(ValueError, match=f"unknown model 'llama-9000'; {known}"):
         _fit(monkeypatch, tmp_path, "--model.model", "llama-9000")
 
 
