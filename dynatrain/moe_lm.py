@@ -46,14 +46,16 @@ def build_moe(config: MoEConfig) -> nn.Module:
 
 def parallelize_for(model: nn.Module, mesh, strategy) -> None:
     """Data, tensor and expert parallelism for the layout the strategy answers with (the target's while a switch
-    builds it)."""
+    builds it); under Lightning's ModelParallelStrategy, data and tensor parallelism on its mesh."""
     from dynatrain.models.moe import parallelize_moe
 
     pcfg = getattr(strategy, "parallel_config", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    if not isinstance(pcfg, ParallelConfig) or "tp" not in names:
-        raise ValueError(f"a mixture-of-experts model needs strategy='dynatrain' (a mesh with an ep dimension); "
-                         f"got {type(strategy).__name__} with mesh dims {names}: set trainer.strategy to dynatrain")
+    if not isinstance(pcfg, ParallelConfig):
+        if not {"data_parallel", "tensor_parallel"} <= set(names):
+            raise ValueError(f"a mixture-of-experts model needs a device mesh with dims ('data_parallel', "
+                             f"'tensor_parallel') or strategy='dynatrain'; got {type(strategy).__name__} with {names}")
+        pcfg = ParallelConfig(dp_shard=mesh["data_parallel"].size(), tp=mesh["tensor_parallel"].size())
     if getattr(strategy, "sequence_parallel", False):
         raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
                          "sequence_parallel to false")

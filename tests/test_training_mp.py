@@ -61,6 +61,13 @@ def test_llama_lm_runs_under_lightning_model_parallel(reference, tmp_path):
         assert_close(res["losses"], reference)
 
 
+def test_the_moe_model_trains_alike_under_lightning_model_parallel_and_dynatrain(tmp_path):
+    moe = [*COMMON, "--model", "moe-debug"]
+    [ours, _] = launch("train.py", 2, [*moe, "--layout", "dp_shard=2"], tmp_path / "dynatrain")
+    for res in launch("train.py", 2, [*moe, "--strategy", "lightning"], tmp_path / "lightning"):
+        assert_close(res["losses"], ours["losses"])
+
+
 def test_dcp_checkpoint_from_4_ranks_resumes_on_2(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     saved = launch("train.py", 4, [*COMMON[:1], "3", *COMMON[2:], "--layout", "dp_shard=2,tp=2", "--save", str(ckpt)],

@@ -200,17 +200,18 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
       ``dp_replicate``), then each block and the root over all data-parallel ranks.
 
     An expert's gradient holds the tokens of its whole ep group, so its reduction divides by every data-parallel
-    rank, as a dense weight's does."""
+    rank, as a dense weight's does. ``mesh`` is dynatrain's (``pcfg.mesh_dim_names``) or, without ep, Lightning
+    ModelParallelStrategy's (``data_parallel``, ``tensor_parallel``)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from dynatrain.models.expert_parallel import ExpertParallel
-    from dynatrain.models.parallelize import apply_fsdp, dp_submesh
+    from dynatrain.models.parallelize import apply_fsdp
 
     cfg = model.config
     pcfg.validate(cfg)
-    tp = mesh["tp"]
+    tp, dp = _dense_meshes(mesh, pcfg)
     if tp.size() > 1:
         for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("vocab_size", cfg.vocab_size)):
             if n % tp.size():
@@ -237,4 +238,20 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
                 # gloo has no pre-scaled sum: sum, then divide. (Not with one efsdp rank: torch then divides while
                 # it copies the gradient and would divide a second time after a forced sum.)
                 block.moe.experts.set_force_sum_reduction_for_comms(True)
-    return apply_fsdp(model, dp_submesh(mesh, pcfg), mp_policy=mp_policy)
+    return apply_fsdp(model, dp, mp_policy=mp_policy)
+
+
+def _dense_meshes(mesh, pcfg):
+    """(tp mesh, data-parallel mesh) of dynatrain's mesh or of Lightning's ModelParallelStrategy's."""
+    from dynatrain.models.parallelize import dp_submesh
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" in names:
+        return mesh["tp"], dp_submesh(mesh, pcfg)
+    if {"data_parallel", "tensor_parallel"} <= set(names):
+        if pcfg.ep > 1:
+            raise ValueError(f"ep={pcfg.ep} needs dynatrain's mesh (an ep dimension); Lightning's mesh {names} has "
+                             "none: use strategy='dynatrain' or ep=1")
+        return mesh["tensor_parallel"], mesh["data_parallel"]
+    raise ValueError(f"a device mesh with dims {pcfg.mesh_dim_names} or ('data_parallel', 'tensor_parallel') is "
+                     f"needed, got {names}")

@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--strategy", choices=["dynatrain", "lightning"], default="dynatrain",
                     help="lightning: Lightning's ModelParallelStrategy, LlamaLM parallelising on its mesh")
+    ap.add_argument("--model", default="debug")
     ap.add_argument("--plain-module", action="store_true",
                     help="a module holding a materialised Transformer and no configure_model")
     args = ap.parse_args()
@@ -54,7 +55,7 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=400_000)
     module_cls = PlainLlamaLM if args.plain_module else LlamaLM
-    module = module_cls(model="debug", model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
+    module = module_cls(model=args.model, model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
     if args.strategy == "lightning":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
