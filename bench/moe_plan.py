@@ -49,6 +49,9 @@ PAIRS_128 = {
     "experts over every rank, tp off": ["--from", "dp_shard=64,tp=2,ep=8", "--to", "dp_shard=128,ep=128"],
     "node lost, ep shrinks": ["--from", "dp_shard=32,tp=4,ep=16", "--to", "dp_shard=30,tp=4,ep=2",
                               "--leave", "120-127"],
+    # The same loss with tp given up instead: 120 = 15 x 8 keeps an ep that divides the 128 experts.
+    "node lost, tp off, ep 8": ["--from", "dp_shard=32,tp=4,ep=16", "--to", "dp_shard=120,ep=8",
+                                "--leave", "120-127"],
 }
 PAIRS_1024 = {
     "ep doubled, tp halved": ["--from", "dp_shard=256,tp=4,ep=32", "--to", "dp_shard=512,tp=2,ep=64"],
