@@ -1,4 +1,4 @@
-"""Process memory around a switch: cheap cycle collections and freed heap given back to the OS.
+"""Process memory around a switch: cheap cycle collections and freed heap given back to the OS when it piles up.
 
 A switch must collect the old model's reference cycles (FSDP state and modules point at each other) before the
 engine allocates new shards, so it runs full collections. A full collection scans every tracked object, and the
@@ -32,9 +32,32 @@ def freeze_import_time_objects() -> int:
     return gc.get_freeze_count()
 
 
-def release_freed_memory() -> None:
-    """Collect the old model's cycles and give the heap a switch freed (old shards, staging) back to the OS:
-    glibc keeps freed memory otherwise, and over hundreds of switches the process's RSS creeps up."""
+TRIM_SLACK = 0.02  # RSS may exceed its high-water mark after the last trim by this fraction before the next
+_rss_mark: list[int] = []  # the high-water mark: RSS after the first switch or after the last trim
+
+
+def release_freed_memory() -> bool:
+    """Collect the old model's cycles and, when the process has grown, give the heap back to the OS.
+
+    glibc keeps freed memory, and over hundreds of switches the fragments of old shards make RSS creep up.
+    Trimming after every switch bounds that, but it also returns the training step's own working set, which the
+    first step after the switch must then fault in again (a third more time for that step on CPU). So the heap is
+    trimmed only when RSS exceeds the mark by ``TRIM_SLACK``: RSS stays within that of the largest layout's
+    footprint, and most first steps find their memory in place. Returns whether it trimmed."""
     gc.collect()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    if _malloc_trim is None:
+        return False
+    rss = _rss_bytes()
+    if not _rss_mark:
+        _rss_mark.append(rss)
+        return False
+    if rss <= _rss_mark[0] * (1 + TRIM_SLACK):
+        return False
+    _malloc_trim(0)
+    _rss_mark[0] = max(_rss_mark[0], _rss_bytes())
+    return True
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
