@@ -261,7 +261,10 @@ class Switcher:
                                f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
                                f"{strategy.world_size} processes")
                 return None
-            rank_zero_info(f"{change}: leaving ranks {list(p.leave)}, admitting joiners {joiners}")
+            shrink = strategy.world_size - p.target.world_size + len(joiners)
+            leaving = (f"ranks {sorted(p.leave)}" if p.leave else
+                       f"{shrink} processes chosen by the planner" if shrink > 0 else "none")
+            rank_zero_info(f"{change}: leaving {leaving}; admitting joiners {joiners or 'none'}")
             with self._refusable(p):
                 return self.switch_world(p.target, p.leave, joiners)
             return None
