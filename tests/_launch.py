@@ -69,3 +69,25 @@ def replace_file(path: Path, data: bytes | str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     os.replace(tmp, path)
+
+
+def selfcheck_module(module: str, layouts: list[str]) -> dict:
+    """`dynatrain selfcheck --module MODULE` (from tests/workers) through ``layouts``; its JSON result, after
+    checking that it ran and that every switch and the step after it equal the DCP oracle bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests / "workers"), str(tests.parent)]))
+    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", module,
+           "--switches", " > ".join(layouts), "--steps-between", "1", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["model"] == module
+    assert [s["to"] for s in result["switches"]] == layouts[1:]
+    assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in result["switches"])
+    assert result["loss_max_rel_diff"] <= 1e-5
+    return result

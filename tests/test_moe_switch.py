@@ -4,14 +4,8 @@ balancing buffers included."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from _launch import launch
+from _launch import launch, selfcheck_module
 
 SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
 EP_SEQUENCE = ["dp_shard=4,ep=2", "dp_shard=2,tp=2,ep=2", "dp_shard=4", "dp_replicate=2,dp_shard=2,ep=2",
@@ -78,14 +72,5 @@ def test_expert_layouts_through_world_changes_equal_the_dcp_oracle():
     """ep=4 on 4 processes -> 3 processes without ep (one leaves) -> 4 with tp and ep (a new process joins) -> HSDP
     with ep: each switch bit for bit as DCP would reshard, the step after it too."""
     layouts = ["dp_shard=4,ep=4", "dp_shard=3", "dp_shard=2,tp=2,ep=2", "dp_replicate=2,dp_shard=2,ep=2"]
-    tests = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests / "workers"), str(tests.parent)]))
-    cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", "user_model:MoELM",
-           "--switches", " > ".join(layouts), "--steps-between", "1", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["ok"] and result["worlds"] == [4, 3, 4, 4] and result["joiners"] == 1
-    assert [s["to"] for s in result["switches"]] == layouts[1:]
-    assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in result["switches"])
-    assert result["loss_max_rel_diff"] <= 1e-5
+    result = selfcheck_module("user_model:MoELM", layouts)
+    assert result["worlds"] == [4, 3, 4, 4] and result["joiners"] == 1
