@@ -263,7 +263,7 @@ class Switcher:
                 return None
             shrink = strategy.world_size - p.target.world_size + len(joiners)
             leaving = (f"ranks {sorted(p.leave)}" if p.leave else
-                       f"{shrink} processes chosen by the planner" if shrink > 0 else "none")
+                       f"{shrink} process(es) chosen by the planner" if shrink > 0 else "none")
             rank_zero_info(f"{change}: leaving {leaving}; admitting joiners {joiners or 'none'}")
             with self._refusable(p):
                 return self.switch_world(p.target, p.leave, joiners)
