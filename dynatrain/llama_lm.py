@@ -16,7 +16,7 @@ from dynatrain import moe_lm
 from dynatrain.models.configs import ModelConfig
 from dynatrain.models.llama import Transformer
 from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.parallelize import dp_submesh, materialize_model, parallelize_model
+from dynatrain.models.parallelize import dense_meshes, materialize_model, parallelize_model
 from dynatrain.vps.parallel_config import ParallelConfig
 
 
@@ -98,12 +98,12 @@ class CausalLM(pl.LightningModule):
         with torch.device("meta"):
             model = moe_lm.build_moe(self.model_config) if self.is_moe else Transformer(self.model_config)
         if self.is_moe:
-            moe_lm.parallelize_for(model, self.device_mesh, strategy)
+            moe_lm.parallelize_for(model, self.device_mesh, _layout(self.device_mesh, strategy), strategy)
         elif hasattr(strategy, "parallelize"):
             strategy.parallelize(model)
         else:
-            tp_mesh, dp_mesh = _lightning_meshes(self.device_mesh, self.model_config, strategy)
-            parallelize_model(model, tp_mesh, dp_mesh)
+            pcfg = _layout(self.device_mesh, strategy).validate(self.model_config)
+            parallelize_model(model, *dense_meshes(self.device_mesh, pcfg))
         if hasattr(strategy, "materialize"):
             strategy.materialize(model)  # a process joining a running job adopts the shards it received
         else:
@@ -233,22 +233,18 @@ def _tp_size(strategy) -> int:
     return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
 
 
-def _lightning_meshes(mesh, model_config: ModelConfig, strategy=None):
-    """(tp mesh, dp mesh) from a mesh built by Lightning's ModelParallelStrategy, or by a strategy that names its
-    layout in ``parallel_config`` (whose mesh may have ep's four dimensions)."""
-    names = mesh.mesh_dim_names or ()
+def _layout(mesh, strategy) -> ParallelConfig:
+    """The layout of ``mesh``: the strategy's when it names one (dynatrain's, whose mesh may have ep's four
+    dimensions), else read from Lightning ModelParallelStrategy's mesh or a plain (dp_replicate, dp_shard, tp)
+    mesh."""
     pcfg = getattr(strategy, "parallel_config", None)
-    if isinstance(pcfg, ParallelConfig) and "tp" in names:
-        pcfg.validate(model_config)
-        return mesh["tp"], dp_submesh(mesh, pcfg)
+    if isinstance(pcfg, ParallelConfig):
+        return pcfg
+    names = mesh.mesh_dim_names or ()
     if "tensor_parallel" in names and "data_parallel" in names:
-        ParallelConfig(dp_shard=mesh["data_parallel"].size(), tp=mesh["tensor_parallel"].size()).validate(
-            model_config
-        )
-        return mesh["tensor_parallel"], mesh["data_parallel"]
+        return ParallelConfig(dp_shard=mesh["data_parallel"].size(), tp=mesh["tensor_parallel"].size())
     if "tp" in names:
-        pcfg = ParallelConfig(*mesh.shape)
-        return mesh["tp"], dp_submesh(mesh, pcfg)
+        return ParallelConfig(*mesh.shape)
     raise ValueError(
         f"CausalLM needs a device mesh with dims ('data_parallel', 'tensor_parallel') or (dp_replicate, dp_shard, tp);"
         f" got {names}"

@@ -10,28 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynatrain.models.configs import ModelConfig, get_model_config
-from dynatrain.models.moe_configs import MOE_CONFIGS, MoEConfig
+from dynatrain.models.configs import ModelConfig
+from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.models.specs import get_zoo_config
 from dynatrain.vps.parallel_config import ParallelConfig
 
 
 def zoo_config(name: str, overrides: dict | None = None) -> ModelConfig | MoEConfig:
     """A named dense (Llama) or mixture-of-experts config, with fields replaced by ``overrides``."""
-    if name in MOE_CONFIGS:
-        config = MOE_CONFIGS[name]
-    else:
-        try:
-            config = get_model_config(name)
-        except ValueError:
-            raise ValueError(f"unknown model {name!r}; choose a dense one ({', '.join(_dense_names())}) or a "
-                             f"mixture of experts ({', '.join(MOE_CONFIGS)})") from None
-    return config.with_overrides(**(overrides or {}))
-
-
-def _dense_names() -> list[str]:
-    from dynatrain.models.configs import MODEL_CONFIGS
-
-    return list(MODEL_CONFIGS)
+    return get_zoo_config(name).with_overrides(**(overrides or {}))
 
 
 def is_moe(config) -> bool:
@@ -44,18 +31,11 @@ def build_moe(config: MoEConfig) -> nn.Module:
     return MoETransformer(config)
 
 
-def parallelize_for(model: nn.Module, mesh, strategy) -> None:
-    """Data, tensor and expert parallelism for the layout the strategy answers with (the target's while a switch
-    builds it); under Lightning's ModelParallelStrategy, data and tensor parallelism on its mesh."""
+def parallelize_for(model: nn.Module, mesh, pcfg: ParallelConfig, strategy) -> None:
+    """Data, tensor and expert parallelism for ``pcfg`` (the strategy's layout, the target's while a switch builds
+    it; under Lightning's ModelParallelStrategy data and tensor parallelism on its mesh)."""
     from dynatrain.models.moe import parallelize_moe
 
-    pcfg = getattr(strategy, "parallel_config", None)
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if not isinstance(pcfg, ParallelConfig):
-        if not {"data_parallel", "tensor_parallel"} <= set(names):
-            raise ValueError(f"a mixture-of-experts model needs a device mesh with dims ('data_parallel', "
-                             f"'tensor_parallel') or strategy='dynatrain'; got {type(strategy).__name__} with {names}")
-        pcfg = ParallelConfig(dp_shard=mesh["data_parallel"].size(), tp=mesh["tensor_parallel"].size())
     if getattr(strategy, "sequence_parallel", False):
         raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
                          "sequence_parallel to false")

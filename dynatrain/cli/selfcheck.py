@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 
 from dynatrain.launcher import LaunchError, launch_local
-from dynatrain.models.configs import MODEL_CONFIGS, get_model_config
+from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.moe_configs import MOE_CONFIGS
+from dynatrain.models.specs import get_zoo_config
 from dynatrain.selfcheck.launch import joiners_needed, launch_elastic
 from dynatrain.selfcheck.results import merge_losses, merge_switches
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -86,13 +87,10 @@ def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
 
 def zoo_config(name: str):
     """The zoo's config of that name, dense or mixture of experts (pure: the command starts without torch)."""
-    if name in MOE_CONFIGS:
-        return MOE_CONFIGS[name]
     try:
-        return get_model_config(name)
-    except ValueError:
-        raise SystemExit(f"--model: unknown model {name!r}; choose one of "
-                         f"{', '.join([*MODEL_CONFIGS, *MOE_CONFIGS])}") from None
+        return get_zoo_config(name)
+    except ValueError as e:
+        raise SystemExit(f"--model: {e}") from None
 
 
 def run(args) -> int:

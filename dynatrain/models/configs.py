@@ -39,21 +39,13 @@ class ModelConfig:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's global shape, in the model's registration order, with torchtitan's names."""
-        kv = self.n_kv_heads * self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.vocab_size, self.dim)}
         for i in range(self.n_layers):
             p = f"layers.{i}."
-            shapes[p + "attention.wq.weight"] = (self.dim, self.dim)
-            shapes[p + "attention.wk.weight"] = (kv, self.dim)
-            shapes[p + "attention.wv.weight"] = (kv, self.dim)
-            shapes[p + "attention.wo.weight"] = (self.dim, self.dim)
-            shapes[p + "feed_forward.w1.weight"] = (self.ffn_dim, self.dim)
-            shapes[p + "feed_forward.w2.weight"] = (self.dim, self.ffn_dim)
-            shapes[p + "feed_forward.w3.weight"] = (self.ffn_dim, self.dim)
-            shapes[p + "attention_norm.weight"] = (self.dim,)
-            shapes[p + "ffn_norm.weight"] = (self.dim,)
-        shapes["norm.weight"] = (self.dim,)
-        shapes["output.weight"] = (self.vocab_size, self.dim)
+            shapes.update(attention_shapes(p + "attention.", self.dim, self.n_heads, self.n_kv_heads, self.head_dim))
+            shapes.update(swiglu_shapes(p + "feed_forward.", self.dim, self.ffn_dim))
+            shapes.update(block_norm_shapes(p, self.dim))
+        shapes.update(head_shapes(self.dim, self.vocab_size))
         return shapes
 
     def num_params(self) -> int:
@@ -64,6 +56,30 @@ class ModelConfig:
 
     def with_overrides(self, **overrides) -> "ModelConfig":
         return with_overrides(self, overrides)
+
+
+def attention_shapes(prefix: str, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                     qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+    """The GQA attention's parameters (`llama.Attention`), in registration order."""
+    shapes = {prefix + "wq.weight": (n_heads * head_dim, dim), prefix + "wk.weight": (n_kv_heads * head_dim, dim),
+              prefix + "wv.weight": (n_kv_heads * head_dim, dim), prefix + "wo.weight": (dim, n_heads * head_dim)}
+    if qk_norm:
+        shapes.update({prefix + "q_norm.weight": (head_dim,), prefix + "k_norm.weight": (head_dim,)})
+    return shapes
+
+
+def swiglu_shapes(prefix: str, dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU feed-forward's parameters (`llama.FeedForward`)."""
+    return {prefix + "w1.weight": (hidden, dim), prefix + "w2.weight": (dim, hidden), prefix + "w3.weight": (hidden, dim)}
+
+
+def block_norm_shapes(prefix: str, dim: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "attention_norm.weight": (dim,), prefix + "ffn_norm.weight": (dim,)}
+
+
+def head_shapes(dim: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """The final norm and the output projection."""
+    return {"norm.weight": (dim,), "output.weight": (vocab_size, dim)}
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -118,17 +118,23 @@ class Transformer(nn.Module):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter (plain or DTensor) with its layout-independent initial value."""
         cfg = self.config
-        for name, param in self.named_parameters():
-            local = _local_tensor(param)
-            shape, offset = _local_box(param)
-            value = init_slice(name, tuple(param.shape), offset, shape, init_std(name, cfg.dim, cfg.n_layers),
-                               cfg.init_seed)
-            local.copy_(value.reshape(local.shape))
+        init_parameters(self, cfg.dim, cfg.n_layers, cfg.init_seed)
         self.init_buffers(buffer_device or self.freqs_cis.device)
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Recompute the non-persistent buffers (after `to_empty`)."""
         self.freqs_cis = self._freqs_cis(device=device)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, dim: int, n_layers: int, seed: int) -> None:
+    """Fill every parameter of ``module`` (plain or DTensor) with its layout-independent initial value: each rank
+    draws only the rows of its own box (`models.init`)."""
+    for name, param in module.named_parameters():
+        local = _local_tensor(param)
+        shape, offset = _local_box(param)
+        value = init_slice(name, tuple(param.shape), offset, shape, init_std(name, dim, n_layers), seed)
+        local.copy_(value.reshape(local.shape))
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:

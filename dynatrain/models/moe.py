@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynatrain.models.init import init_slice, init_std
 from dynatrain.models.llama import (
     Attention,
     FeedForward,
     RMSNorm,
-    _local_box,
     _local_tensor,
+    init_parameters,
     precompute_freqs_cis,
 )
 from dynatrain.models.moe_configs import MoEConfig
@@ -175,11 +174,7 @@ class MoETransformer(nn.Module):
         """Every parameter (plain or DTensor) from its layout-independent initial value, seeded per parameter
         and row block as the dense zoo's; an expert is one row of its stacked tensor."""
         cfg = self.config
-        for name, param in self.named_parameters():
-            shape, offset = _local_box(param)
-            value = init_slice(name, tuple(param.shape), offset, shape, init_std(name, cfg.dim, cfg.n_layers),
-                               cfg.init_seed)
-            _local_tensor(param).copy_(value.reshape(_local_tensor(param).shape))
+        init_parameters(self, cfg.dim, cfg.n_layers, cfg.init_seed)
         self.init_buffers(buffer_device or self.freqs_cis.device)
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -203,29 +198,15 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
     rank, as a dense weight's does. ``mesh`` is dynatrain's (``pcfg.mesh_dim_names``) or, without ep, Lightning
     ModelParallelStrategy's (``data_parallel``, ``tensor_parallel``)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
+    from dynatrain.models import tp_plan
     from dynatrain.models.expert_parallel import ExpertParallel
-    from dynatrain.models.parallelize import apply_fsdp
+    from dynatrain.models.parallelize import apply_fsdp, apply_tp, dense_meshes
 
-    cfg = model.config
-    pcfg.validate(cfg)
-    tp, dp = _dense_meshes(mesh, pcfg)
-    if tp.size() > 1:
-        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("vocab_size", cfg.vocab_size)):
-            if n % tp.size():
-                raise ValueError(f"tp={tp.size()} does not divide {what}={n} of model {cfg.name!r}: choose a tp "
-                                 f"that divides {n}")
-        parallelize_module(model, tp, {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        })
-        for block in model.layers.values():
-            parallelize_module(block, tp, {
-                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Replicate()),
-            })
+    pcfg.validate(model.config)  # tp against heads, KV heads and vocabulary; ep against the experts
+    tp, dp = dense_meshes(mesh, pcfg)
+    apply_tp(model, tp, block_plan=tp_plan.MOE_BLOCK_PLAN)
     if pcfg.ep > 1:
         expert_dp = mesh["dp_replicate", "efsdp"] if pcfg.dp_replicate > 1 else mesh["efsdp"]
         kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
@@ -239,19 +220,3 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
                 # it copies the gradient and would divide a second time after a forced sum.)
                 block.moe.experts.set_force_sum_reduction_for_comms(True)
     return apply_fsdp(model, dp, mp_policy=mp_policy)
-
-
-def _dense_meshes(mesh, pcfg):
-    """(tp mesh, data-parallel mesh) of dynatrain's mesh or of Lightning's ModelParallelStrategy's."""
-    from dynatrain.models.parallelize import dp_submesh
-
-    names = tuple(mesh.mesh_dim_names or ())
-    if "tp" in names:
-        return mesh["tp"], dp_submesh(mesh, pcfg)
-    if {"data_parallel", "tensor_parallel"} <= set(names):
-        if pcfg.ep > 1:
-            raise ValueError(f"ep={pcfg.ep} needs dynatrain's mesh (an ep dimension); Lightning's mesh {names} has "
-                             "none: use strategy='dynatrain' or ep=1")
-        return mesh["tensor_parallel"], mesh["data_parallel"]
-    raise ValueError(f"a device mesh with dims {pcfg.mesh_dim_names} or ('data_parallel', 'tensor_parallel') is "
-                     f"needed, got {names}")

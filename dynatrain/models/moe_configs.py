@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dynatrain.models.configs import numel, with_overrides
+from dynatrain.models.configs import (
+    attention_shapes,
+    block_norm_shapes,
+    head_shapes,
+    numel,
+    swiglu_shapes,
+    with_overrides,
+)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -67,26 +74,15 @@ class MoEConfig:
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.vocab_size, self.dim)}
         for i in range(self.n_layers):
             p = f"layers.{i}."
-            shapes[p + "attention.wq.weight"] = (self.n_heads * hd, self.dim)
-            shapes[p + "attention.wk.weight"] = (self.n_kv_heads * hd, self.dim)
-            shapes[p + "attention.wv.weight"] = (self.n_kv_heads * hd, self.dim)
-            shapes[p + "attention.wo.weight"] = (self.dim, self.n_heads * hd)
-            if self.qk_norm:
-                shapes[p + "attention.q_norm.weight"] = (hd,)
-                shapes[p + "attention.k_norm.weight"] = (hd,)
+            shapes.update(attention_shapes(p + "attention.", self.dim, self.n_heads, self.n_kv_heads, hd, self.qk_norm))
             shapes[p + "moe.router.gate.weight"] = (e, self.dim)
             shapes[p + "moe.experts.w1"] = (e, f, self.dim)
             shapes[p + "moe.experts.w2"] = (e, self.dim, f)
             shapes[p + "moe.experts.w3"] = (e, f, self.dim)
             if self.shared_ffn_dim:
-                s = self.shared_ffn_dim
-                shapes[p + "moe.shared_expert.w1.weight"] = (s, self.dim)
-                shapes[p + "moe.shared_expert.w2.weight"] = (self.dim, s)
-                shapes[p + "moe.shared_expert.w3.weight"] = (s, self.dim)
-            shapes[p + "attention_norm.weight"] = (self.dim,)
-            shapes[p + "ffn_norm.weight"] = (self.dim,)
-        shapes["norm.weight"] = (self.dim,)
-        shapes["output.weight"] = (self.vocab_size, self.dim)
+                shapes.update(swiglu_shapes(p + "moe.shared_expert.", self.dim, self.shared_ffn_dim))
+            shapes.update(block_norm_shapes(p, self.dim))
+        shapes.update(head_shapes(self.dim, self.vocab_size))
         return shapes
 
     def num_params(self) -> int:

@@ -18,20 +18,12 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.models.tp_plan import moe_tp_shard_dim
 from dynatrain.vps.layout import STATE_KINDS, Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.placement import Shard, Sharding, StridedShard
 from dynatrain.vps.rules import ShardRule, rule_sharding
 
-# Module suffixes `parallelize_moe` splits over tp, and the dimension; every other parameter is whole per TP rank.
-_TP_DIM = {
-    "tok_embeddings": 0,  # RowwiseParallel on an nn.Embedding shards the vocabulary rows
-    "output": 0,
-    "attention.wq": 0,
-    "attention.wk": 0,
-    "attention.wv": 0,
-    "attention.wo": 1,
-}
 _EXPERT_SUFFIXES = ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3")
 
 
@@ -50,8 +42,9 @@ def is_routed_expert(name: str) -> bool:
 
 
 def moe_tp_dim(name: str) -> int | None:
-    """The dimension `parallelize_moe` splits over tp for parameter ``name`` (None: whole on every TP rank)."""
-    return _TP_DIM.get(_block_suffix(name))
+    """The dimension `parallelize_moe` splits over tp for parameter ``name`` (None: whole on every TP rank), read
+    from the one TP table the real parallelisation uses (`models.tp_plan.MOE_BLOCK_PLAN`)."""
+    return moe_tp_shard_dim(name)
 
 
 def expert_sharding(pcfg: ParallelConfig) -> Sharding:

@@ -77,8 +77,10 @@ def _style(style: str, sequence_parallel: bool):
     raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Transformer:
-    """Shard the projections over ``tp_mesh`` as `tp_plan` says; norms stay replicated."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+             block_plan: dict[str, str] = tp_plan.BLOCK_PLAN) -> nn.Module:
+    """Shard the projections over ``tp_mesh`` as `tp_plan` says (``block_plan`` for each of ``model.layers``);
+    norms stay replicated."""
     if tp_mesh.size() == 1:
         return model
     top = {name: _style(style, sequence_parallel) for name, style in tp_plan.TOP_PLAN.items()}
@@ -88,7 +90,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     )
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if v is not None})
     for block in model.layers.values():
-        plan = {name: _style(style, sequence_parallel) for name, style in tp_plan.BLOCK_PLAN.items()}
+        plan = {name: _style(style, sequence_parallel) for name, style in block_plan.items()}
         if sequence_parallel:
             plan["attention"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
@@ -152,6 +154,21 @@ def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
         # mesh that torch offers, and it warns about a future deprecation of exactly that.
         warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
         return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def dense_meshes(mesh: DeviceMesh, pcfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
+    """(tp mesh, data-parallel mesh) of ``pcfg`` on dynatrain's mesh (``pcfg.mesh_dim_names``) or on Lightning
+    ModelParallelStrategy's (``data_parallel``, ``tensor_parallel``), which has no ep dimension."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" in names:
+        return mesh["tp"], dp_submesh(mesh, pcfg)
+    if {"data_parallel", "tensor_parallel"} <= set(names):
+        if pcfg.ep > 1:
+            raise ValueError(f"ep={pcfg.ep} needs dynatrain's mesh (an ep dimension); Lightning's mesh {names} has "
+                             "none: use strategy='dynatrain' or ep=1")
+        return mesh["tensor_parallel"], mesh["data_parallel"]
+    raise ValueError(f"a device mesh with dims {pcfg.mesh_dim_names} or ('data_parallel', 'tensor_parallel') is "
+                     f"needed, got {names}")
 
 
 def build_parallel_model(

@@ -38,7 +38,8 @@ def get_zoo_config(model: "str | ModelConfig | MoEConfig") -> "ModelConfig | MoE
         return MOE_CONFIGS[model]
     if model in MODEL_CONFIGS:
         return MODEL_CONFIGS[model]
-    raise ValueError(f"unknown model {model!r}; choose one of {', '.join(zoo_names())}")
+    raise ValueError(f"unknown model {model!r}; choose a dense one ({', '.join(MODEL_CONFIGS)}) or a mixture of "
+                     f"experts ({', '.join(MOE_CONFIGS)})")
 
 
 def model_states(model: "str | ModelConfig | MoEConfig", kind: str = "fp32-adam") -> tuple[StateSpec, ...]:
