@@ -72,6 +72,7 @@ class CausalLM(pl.LightningModule):
         self.expert_load: torch.Tensor | None = None
         self._micro_losses: list[torch.Tensor] = []
         self._micro_aux: list[torch.Tensor] = []
+        self._pipeline_val: list[torch.Tensor] = []
         self._step_tokens = 0
         self._step_start: float | None = None
 
@@ -124,33 +125,56 @@ class CausalLM(pl.LightningModule):
         return loss, logits, labels
 
     # ---- training -----------------------------------------------------------------------------------------
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self._step_start is None:
             self._step_start = time.perf_counter()
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss, _, labels = self._loss(batch)
-        self._micro_losses.append(loss.detach())
-        self._step_tokens += labels.numel()
+        self._record(loss, labels)
         aux = self.model.aux_loss() if self.is_moe else None
         if aux is None:
             return loss
         self._micro_aux.append(aux.detach())
         return loss + aux
 
+    def _record(self, loss: torch.Tensor, labels: torch.Tensor) -> None:
+        self._micro_losses.append(loss.detach())
+        self._step_tokens += labels.numel()
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch on the last pipeline stage (pp > 1: the strategy runs the schedule)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def on_pipeline_losses(self, losses: list[torch.Tensor], labels: torch.Tensor) -> None:
+        """The step's micro-batch losses, on the last pipeline stage (none elsewhere)."""
+        for loss, part in zip(losses, labels.chunk(len(losses)) if losses else ()):
+            self._record(loss, part)
+
+    def on_pipeline_validation_loss(self, loss: torch.Tensor) -> None:
+        self.log("val/loss", loss, sync_dist=True, prog_bar=True)
+        self._pipeline_val.append(loss.detach())
+
     def on_before_optimizer_step(self, optimizer) -> None:
-        # The loss of the whole global batch: micro-batches are equal-sized, so it is the mean of their means.
-        step_loss = torch.stack(self._micro_losses).mean()
-        aux = torch.stack(self._micro_aux).mean() if self._micro_aux else torch.zeros_like(step_loss)
-        tokens = torch.tensor(float(self._step_tokens), device=step_loss.device)
-        counts = moe_lm.local_counts(self.model) if self.is_moe else step_loss.new_zeros(0, 0)
+        # The loss of the whole global batch: micro-batches are equal-sized, so it is the mean of their means. Under
+        # pp only the last stage computes losses: the mean is over the ranks that hold one.
+        device = self.device if self.device.type != "meta" else torch.device("cpu")
+        held = torch.stack(self._micro_losses).mean() if self._micro_losses else torch.zeros((), device=device)
+        has = torch.ones_like(held) if self._micro_losses else torch.zeros_like(held)
+        aux = torch.stack(self._micro_aux).mean() if self._micro_aux else torch.zeros_like(held)
+        tokens = torch.tensor(float(self._step_tokens), device=held.device)
+        counts = moe_lm.local_counts(self.model) if self.is_moe else held.new_zeros(0, 0)
         # One collective for the step's figures: losses, tokens and every router's counts.
-        flat = torch.cat([torch.stack([step_loss, aux, tokens]).float(), counts.flatten().to(step_loss.device)])
+        flat = torch.cat([torch.stack([held, aux, tokens, has]).float(), counts.flatten().to(held.device)])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            # Every rank of a TP group holds the same loss and routes the same tokens: the world mean of a loss is
-            # the data-parallel mean, and token sums count each data-parallel rank tp times.
+            # Every rank of a TP group holds the same loss and routes the same tokens: the mean over the ranks
+            # holding a loss is the data-parallel mean, and token sums count each data-parallel rank tp times.
             tp = _tp_size(self.trainer.strategy)
-            flat[:2] /= dist.get_world_size()
-            flat[2:] /= tp
+            flat[0] /= flat[3]
+            flat[1] /= dist.get_world_size()
+            flat[2] /= tp
+            flat[4:] /= tp
         step_loss, aux, tokens = flat[0], flat[1], flat[2]
         elapsed = time.perf_counter() - (self._step_start or time.perf_counter())
         self.step_losses.append(step_loss.item())
@@ -161,7 +185,7 @@ class CausalLM(pl.LightningModule):
         if self._micro_aux:
             self.log("train/aux_loss", aux, rank_zero_only=True)
         if self.is_moe:
-            self._expert_load_step(flat[3:].view_as(counts))
+            self._expert_load_step(flat[4:].view_as(counts))
         self._clear_step()
 
     def _expert_load_step(self, counts: torch.Tensor) -> None:
@@ -199,7 +223,11 @@ class CausalLM(pl.LightningModule):
         self.log("val/loss", loss, sync_dist=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/perplexity", self.val_perplexity.compute(), sync_dist=False)
+        if self._pipeline_val:  # pp: the logits stay on the last stage; the mean loss gives the perplexity
+            self.log("val/perplexity", torch.stack(self._pipeline_val).mean().exp(), sync_dist=True)
+            self._pipeline_val.clear()
+        else:
+            self.log("val/perplexity", self.val_perplexity.compute(), sync_dist=False)
         self.val_perplexity.reset()
         if self.is_moe:
             # Validation runs between optimizer steps, where the counts start at zero: the tokens it routed are not

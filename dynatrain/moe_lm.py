@@ -39,6 +39,9 @@ def parallelize_for(model: nn.Module, mesh, pcfg: ParallelConfig, strategy) -> N
     if getattr(strategy, "sequence_parallel", False):
         raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
                          "sequence_parallel to false")
+    if pcfg.pp > 1:
+        raise ValueError(f"pipeline parallelism is not supported for mixture-of-experts models yet (their router "
+                         f"losses and token counts span every stage): use pp=1, not {pcfg.short()}")
     parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None))
 
 

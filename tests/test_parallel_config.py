@@ -88,3 +88,25 @@ def test_ep_is_carved_from_dp_shard_and_checked_against_the_experts():
     with pytest.raises(ValueError, match="ep=16 does not divide n_experts=8"):
         ParallelConfig.parse("dp_shard=16,ep=16").validate(MOE_CONFIGS["moe-debug"])
     ParallelConfig.parse("dp_shard=8,ep=8").validate(MOE_CONFIGS["moe-debug"])
+
+
+def test_pipeline_stages_lead_the_mesh():
+    pcfg = ParallelConfig.parse("pp=2,dp_shard=2,tp=2")
+    assert pcfg.world_size == 8 and pcfg.stage_size == 4 and pcfg.dp_size == 2
+    assert pcfg.mesh_shape == (2, 1, 2, 2) and pcfg.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert [pcfg.stage_of(q) for q in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert pcfg.coords(5) == (0, 0, 1) and pcfg.rank_of(0, 0, 1, p=1) == 5
+    assert str(pcfg) == "pp=2,dp_replicate=1,dp_shard=2,tp=2" and pcfg.short() == "pp=2,dp_shard=2,tp=2"
+    assert ParallelConfig.parse(str(pcfg)) == pcfg and pcfg.without_pp() == ParallelConfig(dp_shard=2, tp=2)
+    with_ep = ParallelConfig.parse("pp=2,dp_shard=4,ep=2")
+    assert with_ep.mesh_dim_names == ("pp", "dp_replicate", "efsdp", "ep", "tp")
+    assert with_ep.root_dims("dp_shard") == (2, 3)
+
+
+def test_pipeline_needs_a_layer_per_stage():
+    from dynatrain.models.configs import MODEL_CONFIGS
+
+    with pytest.raises(ValueError, match="pp=8 needs at least one layer per stage.*has 4: choose pp <= 4"):
+        ParallelConfig.parse("pp=8").validate(MODEL_CONFIGS["debug"])
+    with pytest.raises(ValueError, match=r"needs pp\*dp_replicate\*dp_shard\*tp = 4 devices"):
+        ParallelConfig.parse("pp=2,dp_shard=2").validate(world_size=2)

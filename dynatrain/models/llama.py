@@ -109,10 +109,14 @@ class Transformer(nn.Module):
         return precompute_freqs_cis(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
+        # earlier one hands them on.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

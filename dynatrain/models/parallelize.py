@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +26,8 @@ from torch.distributed.tensor.parallel import (
 from dynatrain.models import tp_plan
 from dynatrain.models.configs import ModelConfig
 from dynatrain.models.llama import Transformer
+from dynatrain.models.pipeline import PipelineStages, split_model
+from dynatrain.models.stage_split import stage_split
 from dynatrain.vps.parallel_config import ParallelConfig
 
 
@@ -48,20 +51,13 @@ def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[in
 
 
 def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
-    """True when ranks ascend along every dimension of the (dp_replicate, dp_shard, tp) mesh.
+    """True when ranks ascend along every dimension of the (pp, dp_replicate, dp_shard, tp) mesh.
 
     `new_group` sorts its ranks, so a group's rank order equals the mesh order only for such arrangements;
     any other one silently permutes all-gathers and reduce-scatters.
     """
-    R, S, T = pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp
-    at = lambda r, s, t: ranks[(r * S + s) * T + t]  # noqa: E731
-    for r in range(R):
-        for s in range(S):
-            for t in range(T):
-                if (t + 1 < T and at(r, s, t) >= at(r, s, t + 1)) or (s + 1 < S and at(r, s, t) >= at(r, s + 1, t)) \
-                        or (r + 1 < R and at(r, s, t) >= at(r + 1, s, t)):
-                    return False
-    return True
+    grid = np.asarray(ranks, dtype=np.int64).reshape(pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp)
+    return all(bool((np.diff(grid, axis=axis) > 0).all()) for axis in range(grid.ndim))
 
 
 def _style(style: str, sequence_parallel: bool):
@@ -88,7 +84,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     top["output"] = ColwiseParallel(
         input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Replicate()
     )
-    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if v is not None})
+    # A pipeline stage lacks the parts other stages hold.
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
+                                        if v is not None and getattr(model, k, None) is not None})
     for block in model.layers.values():
         plan = {name: _style(style, sequence_parallel) for name, style in block_plan.items()}
         if sequence_parallel:
@@ -115,6 +113,37 @@ def apply_fsdp(
     return model
 
 
+def apply_fsdp_stages(stages: PipelineStages, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+                      ) -> None:
+    """`fully_shard` every block of the rank's stages, then each stage's view as the root of its stage (its
+    embedding or head beneath it). Blocks keep their parameters gathered between forward and backward: a pipeline
+    runs every micro-batch's forward before its backward, and would gather them again for each."""
+    kwargs = {"mesh": dp_mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for view in stages.views:
+        for block in view.layers.values():
+            fully_shard(block, reshard_after_forward=False, **kwargs)
+        fully_shard(view, reshard_after_forward=False, **kwargs)
+
+
+def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, stages_per_rank: int = 1, *,
+                       mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False,
+                       split: tuple[tuple[int, int], ...] | None = None) -> PipelineStages:
+    """Split ``model`` for the pp coordinate of this rank in ``mesh`` (by ``split``, else balanced by the zoo's
+    cost), then TP and FSDP2 on the stage's ``(dp_replicate, dp_shard, tp)`` sub-mesh, as without pp."""
+    n_stages = pcfg.pp * stages_per_rank
+    if split is None:
+        split = stage_split(model.config, n_stages)
+    # From the mesh's coordinates, not the pp group: a probe mesh's groups are not registered with c10d.
+    coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
+    stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
+    tp_mesh, dp_mesh = dense_meshes(mesh, pcfg)
+    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
+    apply_fsdp_stages(stages, dp_mesh, mp_policy)
+    return stages
+
+
 def parallelize_model(
     model: Transformer,
     tp_mesh: DeviceMesh,
@@ -130,10 +159,10 @@ def parallelize_model(
 
 def parallelize_llama(
     module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *,
-    mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False, stages_per_rank: int = 1,
 ) -> nn.Module:
     """The zoo's parallelize_fn: TP then FSDP on every dynatrain `Transformer` in ``module`` (``module`` itself
-    included) for the layout ``pcfg`` on ``mesh``."""
+    included) for the layout ``pcfg`` on ``mesh``; with pp, each first split into this rank's stages."""
     found = [m for m in module.modules() if isinstance(m, Transformer)]
     if not found:
         raise TypeError(
@@ -142,8 +171,12 @@ def parallelize_llama(
             "`parallelize_fn(module, mesh, layout)` that does"
         )
     for transformer in found:
-        parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
-                          sequence_parallel=sequence_parallel)
+        if pcfg.pp > 1:
+            parallelize_stages(transformer, mesh, pcfg, stages_per_rank, mp_policy=mp_policy,
+                               sequence_parallel=sequence_parallel)
+        else:
+            parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
+                              sequence_parallel=sequence_parallel)
     return module
 
 

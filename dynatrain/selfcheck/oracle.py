@@ -11,14 +11,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import _init_optim_state, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _init_optim_state,
+    get_state_dict,
+    set_state_dict,
+)
 
 from dynatrain.strategies.capture import local_tensor
 from dynatrain.strategies.target import param_children
 
 
+# Hyper-parameters stored per parameter name: under pp each stage holds other parameters, and a list of param
+# groups saved once (by rank 0) would name only the first stage's.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    msd, osd = get_state_dict(module, optimizer)
+    msd, osd = get_state_dict(module, optimizer, options=_OPTIONS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
 
@@ -41,10 +51,11 @@ def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, tor
               for g in live.param_groups]
     optimizer = type(live)(groups)
     _init_optim_state(optimizer)
-    msd, osd = get_state_dict(fresh, optimizer)
+    msd, osd = get_state_dict(fresh, optimizer, options=_OPTIONS)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(fresh, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(fresh, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_OPTIONS)
     return fresh, optimizer
 
 

@@ -25,6 +25,8 @@ from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import CausalLM
+from dynatrain.models.pipeline import pipeline_stages
+from dynatrain.strategies.pipeline import PipelineRunner
 from dynatrain.selfcheck import faults, oracle
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -40,6 +42,7 @@ class ScriptedSwitches(pl.Callback):
         self.results: list[dict] = []
         # The oracle's model and optimizer and the micro-batches left to train them on for one step, or None.
         self.shadow = None
+        self._shadow_batches: list = []  # under pp, the step's micro-batches so far
 
     # ---- the switches -----------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -132,14 +135,25 @@ class ScriptedSwitches(pl.Callback):
         model, optimizer, left = self.shadow
         if left is None:
             left = trainer.accumulate_grad_batches
-        loss = model.training_step(batch, 0)  # the oracle is a copy of the LightningModule: its own loss
-        if isinstance(loss, dict):
-            loss = loss["loss"]
-        (loss / trainer.accumulate_grad_batches).backward()
+        strategy = trainer.strategy
+        if strategy.pipeline is not None:
+            # Under pp the oracle's copy runs its own schedule over the step's micro-batches, as the strategy does.
+            self._shadow_batches.append(batch)
+        else:
+            loss = model.training_step(batch, 0)  # the oracle is a copy of the LightningModule: its own loss
+            if isinstance(loss, dict):
+                loss = loss["loss"]
+            (loss / trainer.accumulate_grad_batches).backward()
         left -= 1
         self.shadow = (model, optimizer, left)
         if left:
             return
+        if strategy.pipeline is not None:
+            runner = PipelineRunner(pipeline_stages(model), strategy.device_mesh, strategy.pipeline_schedule,
+                                    model.pipeline_loss, strategy.root_device)
+            inputs, target = (torch.cat(parts) for parts in zip(*self._shadow_batches))
+            runner.train_step(inputs, target, len(self._shadow_batches))
+            self._shadow_batches = []
         optimizer.step()
         self.results[-1]["step_after_equal"] = oracle.bitwise_equal(
             pl_module, trainer.strategy.optimizers[0], model, optimizer, trainer.strategy.root_device,

@@ -44,12 +44,16 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: 
     for state_name, (pname, key) in param_of.items():
         if key is None or key == BUFFER:
             continue
+        if pname not in params:  # another pipeline stage's parameter
+            dst.pop(state_name, None)
+            continue
         p, local = params[pname], dst.pop(state_name)
         if isinstance(p, DTensor):
             local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                        stride=p.stride())
         entries.setdefault(pname, {})[key] = local
     for pname, kept in scalars.items():
-        entries.setdefault(pname, {}).update(kept)
+        if pname in params:
+            entries.setdefault(pname, {}).update(kept)
     for pname, state in entries.items():
         optimizer.state[params[pname]] = {k: state[k] for k in order.get(pname, state) if k in state}

@@ -80,18 +80,33 @@ def _mesh_runs(mesh: DeviceMesh, root: DeviceMesh) -> list[tuple[int, ...] | Non
     return out
 
 
+def _stage_coordinate(root: DeviceMesh) -> tuple[int, int] | None:
+    """(root dimension, this process's coordinate) of the pipeline stages, or None without pp."""
+    names = tuple(root.mesh_dim_names or ())
+    if "pp" not in names or root.mesh.shape[names.index("pp")] == 1:
+        return None
+    dim = names.index("pp")
+    return dim, root.get_coordinate()[dim]
+
+
 def sharding_of(t: torch.Tensor, root: DeviceMesh) -> Sharding:
-    """How ``t`` lies on the root mesh: its DTensor placements, or whole everywhere for a plain tensor."""
+    """How ``t`` lies on the root mesh: its DTensor placements, or whole everywhere for a plain tensor; with pp,
+    held by this process's stage only, unless its mesh spans the stages."""
     shape = tuple(root.mesh.shape)
-    if not isinstance(t, DTensor):
-        return Sharding.replicated(shape)
     placements, runs = [], []
-    for p, run in zip(t.placements, _mesh_runs(t.device_mesh, root)):
-        q = _placement(p)
-        if run is not None and not isinstance(q, Replicate):
-            placements.append(q)
-            runs.append(run)
-    return Sharding(shape, tuple(placements), tuple(runs))
+    if isinstance(t, DTensor):
+        for p, run in zip(t.placements, _mesh_runs(t.device_mesh, root)):
+            q = _placement(p)
+            if run is not None and not isinstance(q, Replicate):
+                placements.append(q)
+                runs.append(run)
+    sh = Sharding(shape, tuple(placements), tuple(runs))
+    stage = _stage_coordinate(root)
+    spans_stages = isinstance(t, DTensor) and stage is not None and \
+        any(stage[0] in run for run in (r for r in _mesh_runs(t.device_mesh, root) if r is not None))
+    if stage is None or spans_stages:
+        return sh
+    return sh.held_along(stage[0], (stage[1],))
 
 
 BUFFER = "#buffer"  # the key a buffer has in `Captured.param_of`
@@ -106,6 +121,7 @@ class Captured:
     param_of: dict[str, tuple[str, str | None]]  # state -> (owner, optimizer key; None: the weight; BUFFER)
     sources: dict[str, torch.Tensor]  # this rank's local tensors
     scalars: dict[str, dict]  # parameter -> optimizer entries that are not routed
+    order: dict[str, list[str]] | None = None  # parameter -> its optimizer entries' keys, every stage's (pp)
 
     def fingerprint(self) -> int:
         """A number equal on every rank when every rank captured the same specs (all-reduced before planning)."""
@@ -195,37 +211,52 @@ def capture(module: nn.Module, optimizer, root: DeviceMesh) -> Captured:
     for name, b in module.named_buffers():
         whole = b.detach().reshape(1) if b.dim() == 0 else b.detach()
         specs.append(StateSpec(name, tuple(whole.shape), dtype_name(b)))
-        shardings.append(Sharding.replicated(tuple(root.mesh.shape)))
+        shardings.append(sharding_of(whole, root))
         param_of[name] = (name, BUFFER)
         sources[name] = whole
     return Captured(tuple(specs), tuple(shardings), param_of, sources, scalars)
 
 
-def target_shardings(module: nn.Module, root: DeviceMesh, captured: Captured) -> tuple[Sharding, ...]:
-    """Per captured state, its sharding in ``module`` (the same model parallelised for another layout)."""
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
+def module_shardings(module: nn.Module, root: DeviceMesh) -> dict[str, tuple[tuple[int, ...], Sharding]]:
+    """Every parameter's and buffer's (global shape, sharding) in ``module``, by name."""
+    out = {name: (tuple(p.shape), sharding_of(p, root)) for name, p in module.named_parameters()}
+    for name, b in module.named_buffers():
+        out[name] = (tuple(b.shape) or (1,), sharding_of(b, root))
+    return out
+
+
+def merged_shardings(builds) -> dict[str, tuple[tuple[int, ...], Sharding]]:
+    """`module_shardings` of one build per pipeline stage (``(module, root)`` pairs), as one table: a state two
+    stages hold (a buffer every stage keeps) is held by both."""
+    out: dict[str, tuple[tuple[int, ...], Sharding]] = {}
+    for module, root in builds:
+        for name, (shape, sh) in module_shardings(module, root).items():
+            if name in out:
+                sh = out[name][1].union(sh)
+            out[name] = (shape, sh)
+    return out
+
+
+def target_shardings(builds, captured: Captured) -> tuple[Sharding, ...]:
+    """Per captured state, its sharding in the target layout, from the same model parallelised for it (``builds``:
+    `merged_shardings` input, one build per pipeline stage)."""
+    table = merged_shardings(builds)
+    root = builds[0][1]
     shapes = {s.name: s.shape for s in captured.specs}
     out = []
     for spec in captured.specs:
         pname, key = captured.param_of[spec.name]
-        if key == BUFFER:
-            if pname not in buffers:
-                raise ValueError(f"the target model has no buffer {pname!r}: its parallelisation must keep every "
-                                 "buffer for every layout")
-            out.append(Sharding.replicated(tuple(root.mesh.shape)))
-            continue
-        p = params.get(pname)
-        if p is None:
-            raise ValueError(f"the target model has no parameter {pname!r}: its parallelisation must keep every "
-                             "parameter and its name for every layout")
-        if tuple(p.shape) != shapes[pname]:
-            raise ValueError(f"parameter {pname!r} has shape {tuple(p.shape)} in the target model, "
-                             f"{shapes[pname]} now")
-        out.append(sharding_of(p, root))
-    if len(params) != sum(1 for v in captured.param_of.values() if v[1] is None):
-        extra = sorted(set(params) - {v[0] for v in captured.param_of.values()})
-        raise ValueError(f"the target model has parameters the running one lacks: {extra[:5]}")
+        if pname not in table:
+            what = "buffer" if key == BUFFER else "parameter"
+            raise ValueError(f"the target model has no {what} {pname!r}: its parallelisation must keep every "
+                             f"{what} and its name for every layout")
+        shape, sh = table[pname]
+        if key != BUFFER and shape != shapes[pname]:
+            raise ValueError(f"parameter {pname!r} has shape {shape} in the target model, {shapes[pname]} now")
+        out.append(sh)
+    extra = sorted(set(table) - {v[0] for v in captured.param_of.values()})
+    if extra:
+        raise ValueError(f"the target model has parameters or buffers the running one lacks: {extra[:5]}")
     _check_ep_used(root, out)
     return tuple(out)
 

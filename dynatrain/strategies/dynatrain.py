@@ -29,7 +29,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, member_info
 from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
+from dynatrain.models.pipeline import pipeline_stages
 from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
+from dynatrain.strategies.pipeline import PipelineRunner, check_pipeline_module, check_schedule, pipeline_batch
 from dynatrain.strategies.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -69,6 +71,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         parallelize_fn: ``fn(module, mesh, layout)`` that parallelises a LightningModule without
             `configure_model()` for a layout (torchtitan's style); by default the zoo's, for the dynatrain
             `Transformer`s the module holds. Also what `parallelize()` applies.
+        pipeline_schedule: with pp > 1, ``"1F1B"``, ``"GPipe"`` or ``"Interleaved1F1B"`` (several stages per rank).
+        stages_per_rank: pipeline stages each pp rank runs (>= 2 with Interleaved1F1B, else 1).
     """
 
     strategy_name = "dynatrain"
@@ -87,6 +91,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         elastic: ElasticConfig | dict | bool | None = None,
         parallelize_fn: Callable[[nn.Module, DeviceMesh, ParallelConfig], Any] | None = None,
+        pipeline_schedule: str = "1F1B",
+        stages_per_rank: int = 1,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -98,8 +104,12 @@ class DynaTrainStrategy(ModelParallelStrategy):
         param = _dtype(param_dtype, "param_dtype")
         reduce = _dtype(reduce_dtype, "reduce_dtype")
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce) if param is not None else None
+        check_schedule(pipeline_schedule, stages_per_rank)
+        self.pipeline_schedule, self.stages_per_rank = pipeline_schedule, stages_per_rank
         self.parallelize_fn = parallelize_fn or partial(parallelize_llama, mp_policy=self.mp_policy,
-                                                        sequence_parallel=sequence_parallel)
+                                                        sequence_parallel=sequence_parallel,
+                                                        stages_per_rank=stages_per_rank)
+        self.pipeline: PipelineRunner | None = None  # the schedule of this rank's stages when pp > 1
         self.verify_switches = verify_switches
         if switch_budget_mb <= 0:
             raise ValueError(f"switch_budget_mb must be positive, got {switch_budget_mb}")
@@ -140,11 +150,12 @@ class DynaTrainStrategy(ModelParallelStrategy):
     def dp_rank(self) -> int:
         if self._device_mesh is None or self.parallel_config is None:
             return self.global_rank
-        # Positions are row-major with tp fastest, whatever the root mesh's dimensions (ep splits dp_shard).
+        # Positions are row-major with tp fastest and pp slowest, whatever the root mesh's dimensions (ep splits
+        # dp_shard); every stage's ranks of one data-parallel index read the same micro-batches.
         position = 0
         for index, size in zip(self._device_mesh.get_coordinate(), self._device_mesh.mesh.shape):
             position = position * int(size) + index
-        return position // self.parallel_config.tp
+        return (position % self.parallel_config.stage_size) // self.parallel_config.tp
 
     @property
     def tp_rank(self) -> int:
@@ -308,6 +319,57 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.build_pipeline()
+
+    # ---- pipeline parallelism -----------------------------------------------------------------------------
+    def build_pipeline(self) -> None:
+        """The schedule of this rank's stages for the current layout (None without pp); after every switch."""
+        pcfg = self.parallel_config
+        self.pipeline = None
+        if pcfg is None or pcfg.pp == 1:
+            return
+        module = self.lightning_module
+        check_pipeline_module(module)
+        stages = pipeline_stages(module)
+        if stages is None:
+            raise ValueError(f"layout {pcfg.short()} has pp={pcfg.pp}, but the module's parallelisation split no "
+                             "model into stages: see docs/layouts.md, 'Pipeline parallelism'")
+        self.pipeline = PipelineRunner(stages, self.device_mesh, self.pipeline_schedule, module.pipeline_loss,
+                                       self.root_device)
+
+    def training_step(self, *args, **kwargs):
+        runner = self.pipeline
+        if runner is None:
+            return super().training_step(*args, **kwargs)
+        # Lightning hands over one micro-batch at a time; the schedule runs the step's micro-batches together.
+        runner.pending.append(args[0])
+        if self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
+            return torch.zeros((), device=self.root_device)
+        batches, runner.pending = runner.pending, []
+        inputs, target = (torch.cat(parts) for parts in zip(*(pipeline_batch(b) for b in batches)))
+        loss, losses = runner.train_step(inputs, target, len(batches))
+        hook = getattr(self.lightning_module, "on_pipeline_losses", None)
+        if hook is not None:
+            hook(losses, target)
+        return loss
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        if self.pipeline is not None:
+            return closure_loss  # the schedule ran backward with the forward
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        runner = self.pipeline
+        if runner is None:
+            return super().validation_step(*args, **kwargs)
+        loss = runner.evaluate(*pipeline_batch(args[0]))
+        module = self.lightning_module
+        hook = getattr(module, "on_pipeline_validation_loss", None)
+        if hook is not None:
+            hook(loss)
+        else:
+            module.log("val_loss", loss, sync_dist=True)
+        return loss
 
     def _set_accumulation(self, trainer: Trainer) -> None:
         datamodule = getattr(trainer, "datamodule", None)

@@ -127,13 +127,15 @@ def take_over_logging(trainer: pl.Trainer | None) -> None:
 def _encode_sharding(sh: Sharding) -> list:
     kinds = [["R"] if isinstance(p, Replicate) else ["S", p.dim] if isinstance(p, Shard) else
              ["SS", p.dim, p.split_factor] for p in sh.placements]
-    return [list(sh.mesh_shape), kinds, [list(run) for run in sh.dims]]
+    held = None if sh.held is None else [sh.held[0], list(sh.held[1])]
+    return [list(sh.mesh_shape), kinds, [list(run) for run in sh.dims], held]
 
 
 def _decode_sharding(row: list) -> Sharding:
-    mesh, kinds, dims = row
+    mesh, kinds, dims, held = row
     make = {"R": lambda: Replicate(), "S": lambda d: Shard(d), "SS": lambda d, f: StridedShard(d, f)}
-    return Sharding(tuple(mesh), tuple(make[k[0]](*k[1:]) for k in kinds), tuple(tuple(r) for r in dims))
+    return Sharding(tuple(mesh), tuple(make[k[0]](*k[1:]) for k in kinds), tuple(tuple(r) for r in dims),
+                    None if held is None else (held[0], tuple(held[1])))
 
 
 def encode_specs(specs, old_shardings, new_shardings) -> list:

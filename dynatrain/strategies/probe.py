@@ -4,8 +4,8 @@ A world change must know how the user's parallelisation places every state in a 
 (more processes than today, or fewer). DTensor and FSDP2 decide placements from the mesh alone, so the module's
 parallelisation runs on the meta device over a mesh whose groups are torch's fake backend: nothing is sent and
 nothing allocated. The mesh answers to the same names as the strategy's (`ParallelConfig.mesh_dim_names` and
-`ParallelConfig.flattened_dims`). This process sits at position 0 of it, which changes no
-placement.
+`ParallelConfig.flattened_dims`). This process sits at position 0 of it, which changes no placement, or, to read
+the states of another pipeline stage, at the first position of that stage.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _names = itertools.count()
+_PROBE_RANKS = 1 << 24  # the first rank id of a probe mesh's other positions
 
 
 class _Store(dist.Store):
@@ -40,17 +41,22 @@ def _fake_group(rank: int, size: int, device_type: str, registered: list[Process
 
 
 @contextmanager
-def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu"):
-    """The root mesh of ``pcfg`` (with its flattened names) whose groups send nothing; its groups are forgotten on
-    exit."""
+def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu", stage: int = 0):
+    """The root mesh of ``pcfg`` (with its flattened names) whose groups send nothing, with this process on pipeline
+    stage ``stage``; its groups are forgotten on exit."""
     from torch.distributed._mesh_layout import _MeshLayout
 
     me = dist.get_rank()
-    ranks = [me] + [r for r in range(pcfg.world_size + 1) if r != me][: pcfg.world_size - 1]
+    # Ranks no real process has: a DeviceMesh compares equal to another with the same ranks and shape whatever its
+    # groups, and DTensor's sharding cache would hand the real mesh's operations this probe's (unregistered) groups.
+    others = [_PROBE_RANKS + r for r in range(pcfg.world_size - 1)]
+    at = stage * pcfg.stage_size
+    ranks = others[:at] + [me] + others[at:]
     ranks_t = torch.tensor(ranks, dtype=torch.int).view(pcfg.mesh_shape)
     registered: list[ProcessGroup] = []
     try:
-        groups = [_fake_group(0, n, device_type, registered) for n in pcfg.mesh_shape]
+        coordinate = [stage] + [0] * (len(pcfg.mesh_shape) - 1) if pcfg.pp > 1 else [0] * len(pcfg.mesh_shape)
+        groups = [_fake_group(c, n, device_type, registered) for c, n in zip(coordinate, pcfg.mesh_shape)]
         mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=pcfg.mesh_dim_names)
         for name, dims in pcfg.flattened_dims().items():
             sub = mesh[dims]

@@ -121,6 +121,10 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     trainer = switcher.trainer
     old_world = manager.world
     old_cfg = strategy.parallel_config
+    if old_cfg.pp > 1:
+        # The survivors would have to agree on every stage's states without the lost process's view of its own.
+        raise WorldChangeError(f"a process was lost while training as {old_cfg.short()}: recovery from a lost process "
+                               "is not supported with pipeline parallelism yet; restart from the last snapshot")             from error
     step = trainer.global_step if trainer is not None else 0
     start = time.monotonic()
     cause = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"

@@ -45,6 +45,9 @@ from dynatrain.strategies.prepare import (
 )
 from dynatrain.strategies.adopt import fill_target, restore_optimizer
 from dynatrain.strategies.capture import capture, check_switchable, target_shardings
+from dynatrain.strategies.stage_capture import merge_stages
+from dynatrain.strategies.pipeline import check_pipeline_module
+from dynatrain.models.pipeline import pipeline_stages
 from dynatrain.strategies.probe import probe_mesh
 from dynatrain.strategies.recovery import WorldChangeError, is_peer_loss, recover
 from dynatrain.strategies.target import param_children, release_children, transplant
@@ -184,6 +187,14 @@ class Switcher:
         strategy = self.strategy
         world_size = strategy.world_size if world_size is None else world_size
         target = ParallelConfig.parse(target).validate(strategy.model_config(), world_size)
+        if target.pp > 1:
+            check_pipeline_module(strategy.lightning_module)
+            n_layers = getattr(strategy.model_config(), "n_layers", None)
+            stages = target.pp * strategy.stages_per_rank
+            if n_layers is not None and stages > n_layers:
+                raise ValueError(f"{target.short()} with {strategy.stages_per_rank} stage(s) per rank needs {stages} "
+                                 f"pipeline stages of at least one layer, and the model has {n_layers}: use a "
+                                 f"smaller pp")
         datamodule = getattr(self.trainer, "datamodule", None) if self.trainer else None
         if datamodule is not None and hasattr(datamodule, "accumulation_for"):
             try:
@@ -218,7 +229,7 @@ class Switcher:
         if getattr(strategy, "lightning_module", None) is None:
             return  # nothing set up yet: the module is checked when the switch runs
         check_switchable(strategy.lightning_module, strategy.optimizers)
-        captured = capture(strategy.lightning_module, self.optimizer(), strategy.device_mesh)
+        captured = self.capture_states(strategy.lightning_module, self.optimizer())
         _, built = self.target_layout(target, captured, probe=probe)
         if built is not None:
             self._probes[target] = built
@@ -317,7 +328,7 @@ class Switcher:
                        ) -> ChangeInputs:
         strategy = self.strategy
         if captured is None:
-            captured = capture(strategy.lightning_module, self.optimizer(), strategy.device_mesh)
+            captured = self.capture_states(strategy.lightning_module, self.optimizer())
         new_shardings, _ = self._target_shardings_of(target, captured, probe=True)
         return ChangeInputs.build(captured.specs, captured.shardings, new_shardings,
                                   strategy.parallel_config, strategy.positions, strategy.elastic.world.members, target,
@@ -387,10 +398,22 @@ class Switcher:
         strategy = self.strategy
         module, optimizer = strategy.lightning_module, self.optimizer()
         check_switchable(module, strategy.optimizers)
-        captured = capture(module, optimizer, strategy.device_mesh)
+        captured = self.capture_states(module, optimizer)
         if strategy.world_size > 1:
             self._agree_on(captured)
         return module, optimizer, captured
+
+    def capture_states(self, module, optimizer):
+        """This rank's states; under pp with every stage's specs and kept entries beside them (`merge_stages`)."""
+        strategy = self.strategy
+        captured = capture(module, optimizer, strategy.device_mesh)
+        if strategy.parallel_config is None or strategy.parallel_config.pp == 1:
+            return captured
+        names = self._param_names
+        order = {names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer is not None else {}
+        captured, order = merge_stages(captured, order)
+        captured.order = order
+        return captured
 
     def _agree_on(self, captured) -> None:
         strategy = self.strategy
@@ -417,13 +440,24 @@ class Switcher:
         built = self._probes.pop(target, None) if shardings is not None and not probe else None
         if shardings is None:
             try:
-                if probe:
-                    with probe_mesh(target, strategy.root_device.type) as mesh:
-                        per_param = target_shardings(self._build(mesh, target), mesh, captured)
+                if probe or target.pp > 1:
+                    # A pipeline's other stages are read from probes placed on them; nothing is built to reuse.
+                    builds = []
+                    for stage in range(target.pp):
+                        with probe_mesh(target, strategy.root_device.type, stage) as mesh:
+                            build = self._build(mesh, target)
+                            if pipeline_stages(build) is None:
+                                raise ValueError(
+                                    f"{target.short()} asks for pipeline stages, but the module's parallelisation "
+                                    "split no model into stages (see docs/layouts.md, 'Pipeline parallelism'): use "
+                                    "pp=1 for this module")
+                            builds.append((build, mesh))
+                            per_param = target_shardings(builds, captured) if stage == target.pp - 1 else None
+                    built = None
                 else:
                     mesh = strategy._build_mesh(target)
                     built = self._build(mesh, target)
-                    per_param = target_shardings(built, mesh, captured)
+                    per_param = target_shardings([(built, mesh)], captured)
             except _BuildFailed as e:
                 cause = e.__cause__
                 raise ValueError(f"the model's parallelisation failed for {target.short()} (run on the meta device): "
@@ -449,7 +483,8 @@ class Switcher:
         """What survives a switch besides the routed shards: scalars, hyper-parameters, schedules."""
         return {
             "param_of": captured.param_of, "scalars": captured.scalars,
-            "order": {self._param_names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer else {},
+            "order": captured.order if captured.order is not None else
+            {self._param_names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer else {},
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             if optimizer else [],
             "schedulers": [cfg.scheduler.state_dict() for cfg in self.strategy.lr_scheduler_configs],
@@ -582,6 +617,7 @@ class Switcher:
         strategy._device_mesh = module._device_mesh = mesh
         strategy.parallel_config, strategy.positions = target, list(positions)
         self._restore_optimizer(module, dst, kept)
+        strategy.build_pipeline()
         self._move_data(target)
         self.released = False
 

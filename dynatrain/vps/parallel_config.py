@@ -1,5 +1,9 @@
-"""`ParallelConfig`: the shape of a layout, dp_replicate x dp_shard x tp, tp fastest-varying, and the expert-parallel
-degree ``ep``, which borrows its ranks from ``dp_shard``.
+"""`ParallelConfig`: the shape of a layout, pp x dp_replicate x dp_shard x tp, tp fastest-varying, and the
+expert-parallel degree ``ep``, which borrows its ranks from ``dp_shard``.
+
+With ``pp > 1`` the root mesh has a leading ``pp`` dimension: each pipeline stage is one whole
+``(dp_replicate, dp_shard, tp)`` sub-mesh, positions ``[k * stage_size, (k + 1) * stage_size)`` for stage ``k``, and
+a state of a stage lives on that stage's sub-mesh only.
 
 With ``ep > 1`` the root mesh splits ``dp_shard`` into ``(efsdp, ep)``: the ranks of one ep group are consecutive
 dp_shard indices, routed experts are split over ``ep`` and sharded by FSDP over ``efsdp``, and everything else
@@ -19,8 +23,8 @@ if TYPE_CHECKING:
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
-_TERMS = MESH_DIM_NAMES + ("ep",)
-_TERM = re.compile(r"^\s*(dp_replicate|dp_shard|tp|ep)\s*=\s*(-?\d+)\s*$")
+_TERMS = ("pp",) + MESH_DIM_NAMES + ("ep",)
+_TERM = re.compile(r"^\s*(pp|dp_replicate|dp_shard|tp|ep)\s*=\s*(-?\d+)\s*$")
 
 
 @dataclass(frozen=True, order=True)
@@ -29,6 +33,7 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         for name in _TERMS:
@@ -44,19 +49,19 @@ class ParallelConfig:
 
     @classmethod
     def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
-        """Parse ``"dp_replicate=R,dp_shard=S,tp=T,ep=E"``; a missing term is 1."""
+        """Parse ``"pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E"``; a missing term is 1."""
         if isinstance(text, ParallelConfig):
             return text
         if not isinstance(text, str) or not text.strip():
             raise ValueError(
-                f"a layout is written like 'dp_replicate=2,dp_shard=2,tp=2' (missing terms are 1), got {text!r}"
+                f"a layout is written like 'pp=2,dp_replicate=2,dp_shard=2,tp=2' (missing terms are 1), got {text!r}"
             )
         values: dict[str, int] = {}
         for term in text.split(","):
             match = _TERM.match(term)
             if not match:
                 raise ValueError(
-                    f"cannot parse {term.strip()!r} in layout {text!r}: each term is dp_replicate=N, dp_shard=N, tp=N or ep=N"
+                    f"cannot parse {term.strip()!r} in layout {text!r}: each term is pp=N, dp_replicate=N, dp_shard=N, tp=N or ep=N"
                 )
             name, value = match.group(1), int(match.group(2))
             if name in values:
@@ -66,7 +71,16 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        return self.pp * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """Positions of one pipeline stage: dp_replicate * dp_shard * tp (the whole world without pp)."""
         return self.dp_replicate * self.dp_shard * self.tp
+
+    def stage_of(self, position: int) -> int:
+        """The pipeline stage (pp coordinate) of a mesh position."""
+        return position // self.stage_size
 
     @property
     def dp_size(self) -> int:
@@ -75,14 +89,25 @@ class ParallelConfig:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """The root mesh: ``(dp_replicate, dp_shard, tp)``, or ``(dp_replicate, efsdp, ep, tp)`` with ep."""
-        if self.ep == 1:
-            return (self.dp_replicate, self.dp_shard, self.tp)
-        return (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        """The root mesh: ``(dp_replicate, dp_shard, tp)``, or ``(dp_replicate, efsdp, ep, tp)`` with ep; with pp, a
+        leading ``pp`` dimension."""
+        shape = (self.dp_replicate, self.dp_shard, self.tp) if self.ep == 1 else \
+            (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        return ((self.pp,) if self.pp > 1 else ()) + shape
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return MESH_DIM_NAMES if self.ep == 1 else EP_MESH_DIM_NAMES
+        names = MESH_DIM_NAMES if self.ep == 1 else EP_MESH_DIM_NAMES
+        return (("pp",) if self.pp > 1 else ()) + names
+
+    @property
+    def pp_dim(self) -> int | None:
+        """The root mesh dimension of the pipeline stages (None without pp)."""
+        return 0 if self.pp > 1 else None
+
+    def without_pp(self) -> "ParallelConfig":
+        """One stage's layout: the same data and tensor parallelism without pipeline stages."""
+        return ParallelConfig(self.dp_replicate, self.dp_shard, self.tp, self.ep)
 
     @property
     def efsdp(self) -> int:
@@ -108,23 +133,31 @@ class ParallelConfig:
         return (names.index(name),)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """Mesh coordinate (r, s, t) of a position in the default order: rank = (r*S + s)*T + t."""
+        """Mesh coordinate (r, s, t) within its stage of a position in the default order:
+        rank = ((p*R + r)*S + s)*T + t."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} for layout {self}")
+        rank %= self.stage_size
         t = rank % self.tp
         s = (rank // self.tp) % self.dp_shard
         r = rank // (self.tp * self.dp_shard)
         return r, s, t
 
-    def rank_of(self, r: int, s: int, t: int) -> int:
-        return (r * self.dp_shard + s) * self.tp + t
+    def rank_of(self, r: int, s: int, t: int, p: int = 0) -> int:
+        return ((p * self.dp_replicate + r) * self.dp_shard + s) * self.tp + t
 
     def validate(self, model: "ModelConfig | None" = None, world_size: int | None = None) -> "ParallelConfig":
         """Raise ValueError naming the constraint that fails; return self when it fits."""
         if world_size is not None and self.world_size != world_size:
             raise ValueError(
-                f"layout {self} needs dp_replicate*dp_shard*tp = {self.world_size} devices, "
+                f"layout {self} needs {'pp*' if self.pp > 1 else ''}dp_replicate*dp_shard*tp = {self.world_size} devices, "
                 f"but there are {world_size}: change the layout so the product is {world_size}"
+            )
+        n_layers = getattr(model, "n_layers", None) if model is not None else None
+        if n_layers is not None and self.pp > n_layers:
+            raise ValueError(
+                f"pp={self.pp} needs at least one layer per stage, and model {model.name!r} has {n_layers}: choose "
+                f"pp <= {n_layers}"
             )
         if model is not None and self.ep > 1:
             n_experts = getattr(model, "n_experts", None)
@@ -152,7 +185,8 @@ class ParallelConfig:
 
     def __str__(self) -> str:
         text = f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp}"
-        return text if self.ep == 1 else f"{text},ep={self.ep}"
+        text = text if self.ep == 1 else f"{text},ep={self.ep}"
+        return text if self.pp == 1 else f"pp={self.pp},{text}"
 
     def short(self) -> str:
         """Only the terms that are not 1 (``"dp_shard=2,tp=2"``); ``"dp_shard=1"`` for a single device."""

@@ -13,6 +13,10 @@ tensor records ``_StridedShard(0, sf=tp)`` on its data-parallel dimension. So no
 mesh order, then strided ones from the last mesh dimension back. A local extent may then be a stack of
 non-adjacent global ranges, and one position holds several boxes.
 
+A state of one pipeline stage is ``held`` only where one root dimension (``pp``) has given coordinates: the
+positions of other stages hold nothing of it (an empty local shape), the stage's positions split it by its
+placements as above.
+
 Pure Python: no torch, no process group.
 """
 
@@ -80,11 +84,14 @@ class LocalShards:
 
 @dataclass(frozen=True)
 class Sharding:
-    """How a state lies on the root mesh: ``placements[k]`` over the root dimensions ``dims[k]``."""
+    """How a state lies on the root mesh: ``placements[k]`` over the root dimensions ``dims[k]``; with ``held =
+    (dim, coordinates)`` only the positions whose coordinate along root dimension ``dim`` is one of ``coordinates``
+    hold it (a pipeline stage's states), None: every position."""
 
     mesh_shape: tuple[int, ...]
     placements: tuple[Placement, ...] = ()
     dims: tuple[tuple[int, ...], ...] = ()
+    held: tuple[int, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         mesh = tuple(int(n) for n in self.mesh_shape)
@@ -106,10 +113,44 @@ class Sharding:
         for p in self.placements:
             if not isinstance(p, (Replicate, Shard, StridedShard)):
                 raise ValueError(f"unknown placement {p!r}: use Replicate, Shard(d) or StridedShard(d, split_factor)")
+        if self.held is not None:
+            dim, where = int(self.held[0]), tuple(sorted({int(c) for c in self.held[1]}))
+            if not 0 <= dim < len(mesh) or dim in seen:
+                raise ValueError(f"held along mesh dimension {dim}: it must be a dimension of mesh {mesh} that no "
+                                 "placement splits")
+            if not where or not all(0 <= c < mesh[dim] for c in where):
+                raise ValueError(f"held at coordinates {list(where)} of mesh dimension {dim} of size {mesh[dim]}")
+            # Held everywhere is not held at all: one spelling per sharding, so equal shardings compare equal.
+            object.__setattr__(self, "held", None if len(where) == mesh[dim] else (dim, where))
 
     @classmethod
-    def replicated(cls, mesh_shape: tuple[int, ...]) -> "Sharding":
-        return cls(tuple(mesh_shape))
+    def replicated(cls, mesh_shape: tuple[int, ...], held: tuple[int, tuple[int, ...]] | None = None) -> "Sharding":
+        return cls(tuple(mesh_shape), held=held)
+
+    def holds(self, position: int) -> bool:
+        """Whether root ``position`` holds any of the state (False on another pipeline stage's positions)."""
+        if self.held is None:
+            return True
+        dim, where = self.held
+        after = 1
+        for n in self.mesh_shape[dim + 1:]:
+            after *= n
+        return (position // after) % self.mesh_shape[dim] in where
+
+    def union(self, other: "Sharding") -> "Sharding":
+        """The state as two pipeline stages each hold it (a buffer every stage keeps): same placements, held where
+        either holds it."""
+        if (self.mesh_shape, self.placements, self.dims) != (other.mesh_shape, other.placements, other.dims):
+            raise ValueError(f"one state placed {self} on one pipeline stage and {other} on another")
+        if self.held is None or other.held is None:
+            return Sharding(self.mesh_shape, self.placements, self.dims)
+        if self.held[0] != other.held[0]:
+            raise ValueError(f"one state held along mesh dimensions {self.held[0]} and {other.held[0]}")
+        return self.held_along(self.held[0], self.held[1] + other.held[1])
+
+    def held_along(self, dim: int, coordinates) -> "Sharding":
+        """The same placements, held only at ``coordinates`` of root dimension ``dim``."""
+        return Sharding(self.mesh_shape, self.placements, self.dims, (dim, tuple(coordinates)))
 
     @property
     def world_size(self) -> int:
@@ -166,7 +207,8 @@ class Sharding:
         return tuple(coords)
 
     def __str__(self) -> str:
-        return "(" + ", ".join(f"{p}@{run}" for p, run in zip(self.placements, self.dims)) + ")"
+        text = "(" + ", ".join(f"{p}@{run}" for p, run in zip(self.placements, self.dims)) + ")"
+        return text if self.held is None else f"{text}@{self.held[0]}={list(self.held[1])}"
 
 
 def _split(ranges: list[tuple[int, int]], parts: int, index: int) -> list[tuple[int, int]]:
@@ -187,6 +229,8 @@ def position_shards(shape: tuple[int, ...], sharding: Sharding, position: int) -
     """What root ``position`` holds of a state of ``shape``."""
     if not shape:
         raise ValueError("a 0-d state (such as Adam's step) has no boxes: keep or broadcast it instead of routing it")
+    if not sharding.holds(position):
+        return LocalShards((), (), (0,) * len(shape))
     ranges: list[list[tuple[int, int]]] = [[(0, n)] for n in shape]
     sizes, coords = sharding.sizes(), sharding.coordinates(position)
     for k in sharding.order(len(shape)):
@@ -213,7 +257,7 @@ def sharding_shards(shape: tuple[int, ...], sharding: Sharding) -> tuple[LocalSh
     memo: dict[tuple[int, ...], LocalShards] = {}
     out = []
     for q in range(sharding.world_size):
-        key = sharding.coordinates(q)
+        key = (sharding.holds(q),) + sharding.coordinates(q)
         held = memo.get(key)
         if held is None:
             held = memo[key] = position_shards(shape, sharding, q)
