@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=None, help="override the model's depth (faster checks)")
+    p.add_argument("--pipeline-schedule", default="1F1B", choices=("GPipe", "1F1B", "Interleaved1F1B"),
+                   help="the schedule of layouts with pp")
+    p.add_argument("--stages-per-rank", type=int, default=1, help="pipeline stages per pp rank (Interleaved1F1B: 2+)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--inject", default=None, metavar="SCENARIOS",
@@ -112,6 +115,8 @@ def run(args) -> int:
                   "--budget-mb", str(args.budget_mb), "--workdir", tmp]
         if args.n_layers:
             common += ["--n-layers", str(args.n_layers)]
+        if any(p.pp > 1 for p in layouts):
+            common += ["--pipeline-schedule", args.pipeline_schedule, "--stages-per-rank", str(args.stages_per_rank)]
         for flag in ("module", "datamodule"):
             if getattr(args, flag):
                 common += [f"--{flag}", getattr(args, flag)]

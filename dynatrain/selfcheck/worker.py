@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--budget-mb", type=float, default=64.0)
     ap.add_argument("--n-layers", type=int, default=None)
+    ap.add_argument("--pipeline-schedule", default="1F1B")
+    ap.add_argument("--stages-per-rank", type=int, default=1)
     ap.add_argument("--workdir", required=True, help="a folder every rank sees: the oracle's DCP checkpoints")
     ap.add_argument("--elastic", action="store_true", help="the layouts change the world: processes leave and join")
     ap.add_argument("--elastic-timeout", type=float, default=120.0,
@@ -225,7 +227,9 @@ def main() -> None:
     elastic = ({"timeout": args.elastic_timeout, "join_timeout": args.join_timeout}
                if args.elastic and not args.static else False)
     strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
-                                           verify_switches=False, elastic=elastic)
+                                           verify_switches=False, elastic=elastic,
+                                           pipeline_schedule=args.pipeline_schedule,
+                                           stages_per_rank=args.stages_per_rank)
     extra = []
     if args.inject:
         script = faults.InjectFault(args.inject, workdir, restarted=args.restarted)

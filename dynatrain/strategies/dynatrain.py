@@ -346,9 +346,12 @@ class DynaTrainStrategy(ModelParallelStrategy):
         if self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
             return torch.zeros((), device=self.root_device)
         batches, runner.pending = runner.pending, []
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        for optimizer in self.optimizers:
+            module.optimizer_zero_grad(trainer.current_epoch, args[1] if len(args) > 1 else 0, optimizer)
         inputs, target = (torch.cat(parts) for parts in zip(*(pipeline_batch(b) for b in batches)))
         loss, losses = runner.train_step(inputs, target, len(batches))
-        hook = getattr(self.lightning_module, "on_pipeline_losses", None)
+        hook = getattr(module, "on_pipeline_losses", None)
         if hook is not None:
             hook(losses, target)
         return loss

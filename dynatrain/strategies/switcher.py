@@ -117,6 +117,10 @@ class Switcher:
         def make_zero_grad_fn(batch_idx: int, optimizer):
             if auto._skip_backward or (batch_idx - self.accumulation_offset) % trainer.accumulate_grad_batches:
                 return None
+            if self.strategy.pipeline is not None:
+                # Lightning zeroes between a micro-batch's step and its backward; a pipeline's backward ran inside
+                # the step, so the strategy zeroes before the schedule instead.
+                return None
 
             def zero_grad_fn() -> None:
                 auto._on_before_zero_grad(optimizer)

@@ -28,6 +28,7 @@ BAD = [
     ("parse", lambda s: s.request_switch("dp=2")),
     ("zero", lambda s: s.request_switch("tp=0")),
     ("leave", lambda s: s.request_switch("dp_shard=2", leave=[5])),
+    ("pp_layers", lambda s: s.request_switch("pp=2")),
     # 6 bytes: half stages a round, less than one 4-byte element; refused before any state moves.
     ("budget", lambda s: s.switch("dp_replicate=2", budget_mb=6 / 2**20)),
 ]

@@ -48,6 +48,10 @@ def main() -> None:
     ap.add_argument("--model", default="debug")
     ap.add_argument("--plain-module", action="store_true",
                     help="a module holding a materialised Transformer and no configure_model")
+    ap.add_argument("--n-layers", type=int, default=2)
+    ap.add_argument("--schedule", default="1F1B", help="the pipeline schedule when the layout has pp")
+    ap.add_argument("--stages-per-rank", type=int, default=1)
+    ap.add_argument("--val-batches", type=int, default=0, help="validate on this many batches after the last step")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -55,17 +59,23 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=400_000)
     module_cls = PlainLlamaLM if args.plain_module else LlamaLM
-    module = module_cls(model=args.model, model_overrides={"n_layers": 2}, lr=1e-3, warmup_steps=2)
+    module = module_cls(model=args.model, model_overrides={"n_layers": args.n_layers}, lr=1e-3, warmup_steps=2)
     if args.strategy == "lightning":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
-        strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, sequence_parallel=args.sequence_parallel)
+        strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, sequence_parallel=args.sequence_parallel,
+                                               pipeline_schedule=args.schedule, stages_per_rank=args.stages_per_rank)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world,
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    val = {}
+    if args.val_batches:
+        trainer.limit_val_batches = args.val_batches
+        (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
+        val = {"val_loss": metrics["val/loss"], "val_perplexity": metrics["val/perplexity"]}
     if args.save:
         trainer.save_checkpoint(args.save)
     strategy = trainer.strategy
@@ -75,6 +85,7 @@ def main() -> None:
         "dp_rank": getattr(strategy, "dp_rank", None),
         "accumulation": trainer.accumulate_grad_batches,
         "global_step": trainer.global_step,
+        **val,
     }
     del trainer, module, strategy
     finish_rank(args.out, result)
