@@ -33,7 +33,6 @@ from dynatrain.cli.plan import compute, configure  # noqa: E402
 from dynatrain.models.specs import get_zoo_config, layout_for_model  # noqa: E402
 from dynatrain.planner.schedule import plan_switch  # noqa: E402
 from dynatrain.vps.layout import DTYPE_ITEMSIZE, STATE_KINDS, Layout  # noqa: E402
-from dynatrain.vps.parallel_config import ParallelConfig  # noqa: E402
 from dynatrain.vps.placement import Shard, Sharding, StridedShard  # noqa: E402
 
 MODEL = "qwen3-235b-a22b"
@@ -144,8 +143,12 @@ def dcp_bytes_on_the_wire(old: Layout, new: Layout, kind: str) -> int:
 
 
 def cross_check(extra: list[str], planned: dict) -> dict:
-    """The plan again (same inputs: deterministic), and its bytes against the DCP count."""
-    args = _args(extra)
+    return verify_plan(_args(extra), planned, dcp_bytes_on_the_wire)
+
+
+def verify_plan(args: argparse.Namespace, planned: dict, count) -> dict:
+    """The plan of `dynatrain plan` ``args`` again (same inputs: deterministic), and its bytes against ``count``'s
+    (old layout, new layout, state kind -> bytes on the wire)."""
     model = get_zoo_config(args.model)
     start = time.perf_counter()
     old = layout_for_model(model, args.old, args.state)
@@ -153,7 +156,7 @@ def cross_check(extra: list[str], planned: dict) -> dict:
                        rank_map=args.rank_map, budget_bytes=planned["budget_bytes"], gpus_per_node=args.gpus_per_node)
     if plan.bytes_moved != planned["bytes_moved"]:
         raise AssertionError(f"the plan is not deterministic: {plan.bytes_moved} != {planned['bytes_moved']}")
-    dcp = dcp_bytes_on_the_wire(old, plan.new, args.state)
+    dcp = count(old, plan.new, args.state)
     return {"planner_bytes": plan.bytes_moved, "dcp_bytes": dcp, "equal": dcp == plan.bytes_moved,
             "seconds": time.perf_counter() - start}
 
@@ -204,11 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--no-check", action="store_true", help="skip the DCP cross-check")
     args = ap.parse_args(argv)
-    out = run(not args.no_check)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
-    bad = [r["switch"] for r in out["switches_128"] if "dcp_check" in r and not r["dcp_check"]["equal"]]
+    return finish(run(not args.no_check), args.json)
+
+
+def finish(out: dict, path: Path | None) -> int:
+    """Write the figures (when asked) and fail when a row's bytes on the wire differ from the DCP count."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+    bad = [r["switch"] for r in out.get("switches_128", []) if "dcp_check" in r and not r["dcp_check"]["equal"]]
     if bad:
         print(f"bytes on the wire differ from the DCP count for: {bad}", file=sys.stderr)
         return 1

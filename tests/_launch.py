@@ -1,5 +1,5 @@
 """Helpers of the tests: start worker scripts of tests/workers on N ranks (Lightning under pytest would re-launch
-pytest itself), wait for a condition, replace a watched file at once."""
+pytest itself), compare their step losses, wait for a condition, replace a watched file at once."""
 
 from __future__ import annotations
 
@@ -91,3 +91,10 @@ def selfcheck_module(module: str, layouts: list[str]) -> dict:
     assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in result["switches"])
     assert result["loss_max_rel_diff"] <= 1e-5
     return result
+
+
+def assert_close(losses, reference, rel=1e-5):
+    """Step losses equal the reference's within ``rel`` relative, step by step."""
+    assert len(losses) == len(reference)
+    for step, (a, b) in enumerate(zip(losses, reference)):
+        assert abs(a - b) <= rel * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"

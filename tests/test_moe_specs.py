@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 
 from dynatrain.models.moe_configs import MOE_CONFIGS  # noqa: E402
 from dynatrain.models.specs import layout_for_model  # noqa: E402
@@ -33,14 +32,6 @@ LAYOUTS = [
     (UNEVEN, "dp_shard=8,ep=2"),
     (UNEVEN, "dp_shard=4,tp=2,ep=4"),
 ]
-
-
-@pytest.fixture(scope="module")
-def one_process_group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _captured_layout(cfg, pcfg: ParallelConfig) -> Layout:

@@ -2,19 +2,13 @@
 for every schedule and for layers that do not divide by the stages; validation runs through the pipeline."""
 
 import pytest
-from _launch import launch
+from _launch import assert_close, launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 STEPS = 4
 COMMON = ["--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--seq-len", "64", "--n-layers", "4",
           "--val-batches", "2"]
-
-
-def assert_close(losses, reference, rel=1e-5):
-    assert len(losses) == len(reference)
-    for step, (a, b) in enumerate(zip(losses, reference)):
-        assert abs(a - b) <= rel * abs(b), f"step {step}: {a} vs {b} (rel {abs(a - b) / abs(b):.2e})"
 
 
 @pytest.fixture(scope="module")

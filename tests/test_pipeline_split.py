@@ -113,3 +113,11 @@ def test_a_stage_state_is_held_by_its_stage_positions_only():
         stage1.union(Sharding((2, 1, 2, 1)))
     with pytest.raises(ValueError, match="held along mesh dimension 2"):
         Sharding((2, 1, 2, 1), (Shard(0),), ((2,),), held=(2, (0,)))
+
+
+def test_the_rule_based_layout_refuses_pipeline_stages_it_cannot_place():
+    from dynatrain.vps import Layout, ParallelConfig
+    from dynatrain.vps.layout import StateSpec
+
+    with pytest.raises(ValueError, match="has pipeline stages, and the rules do not say which stage holds"):
+        Layout.from_config([StateSpec("w", (4, 4))], ParallelConfig.parse("pp=2"))

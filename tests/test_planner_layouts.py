@@ -61,10 +61,13 @@ def test_debug_model_on_four_cpu_processes_picks_pure_data_parallel():
 
 def test_every_layout_is_listed_once_runnable_ones_fastest_first():
     ranked = rank_layouts(_cpus(4), _debug_work())
-    assert sorted(c.config for c in ranked) == sorted(enumerate_configs(4))
+    debug = MODEL_CONFIGS["debug"]
+    assert sorted(c.config for c in ranked) == sorted(enumerate_configs(4, debug))
     assert len(enumerate_configs(4)) == 6 and all(c.world_size == 4 for c in enumerate_configs(4))
+    # With the model, pp=2 (3 layouts of the other 2 devices) and pp=4 (one) join: the debug model has 4 layers.
+    assert len(enumerate_configs(4, debug)) == 10 and {c.pp for c in enumerate_configs(4, debug)} == {1, 2, 4}
     times = [c.step_seconds for c in ranked if c.runnable]
-    assert times == sorted(times) and len(times) == 6
+    assert times == sorted(times) and len(times) == 10
 
 
 # ------------------------------------------------------------------------------------------- exclusions
@@ -283,7 +286,9 @@ def test_moe_candidates_take_every_ep_that_divides_dp_shard_and_the_experts():
     assert ParallelConfig(1, 32, 1, 8) in cands and ParallelConfig(1, 16, 2, 4) in cands
     assert all(c.dp_shard % c.ep == 0 and cfg.n_experts % c.ep == 0 for c in cands)
     assert not any(c.ep == 16 for c in cands)  # divides dp_shard=16 or 32, not the 8 experts
-    assert enumerate_configs(32, MODEL_CONFIGS["1b"]) == enumerate_configs(32)  # dense: no ep term
+    dense = enumerate_configs(32, MODEL_CONFIGS["1b"])
+    assert [c for c in dense if c.pp == 1] == enumerate_configs(32)  # dense: no ep term
+    assert not any(c.pp > 1 for c in cands)  # nor pipeline stages for experts (not supported yet)
     ranked = rank_layouts(_gpus(128), _moe_work())
     assert any(c.config.ep > 1 for c in ranked if c.runnable)
 

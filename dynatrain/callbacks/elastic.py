@@ -221,9 +221,11 @@ def workload_for(trainer: pl.Trainer) -> Workload:
     compute = _dtype_name(getattr(policy, "param_dtype", None)) or \
         ("bfloat16" if "bf16" in str(trainer.precision) else "float32")
     reduce = _dtype_name(getattr(policy, "reduce_dtype", None)) or "float32"
+    # pp only for a module the strategy can run as a pipeline (docs/pipeline.md).
+    pipeline = callable(getattr(trainer.lightning_module, "pipeline_loss", None))
     return Workload(config, seq_len=data.seq_len, global_batch=data.global_batch_size,
                     micro_batch=data.micro_batch_size, compute_dtype=compute, reduce_dtype=reduce,
-                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)))
+                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)), pipeline=pipeline)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -2,6 +2,7 @@
 
     dynatrain plan --model llama3-70b --from dp_shard=16,tp=8 --to dp_shard=8,tp=8 [--leave 3,17]
     dynatrain plan --model qwen3-235b-a22b --from dp_shard=32,tp=4,ep=16 --to dp_shard=64,tp=2,ep=32
+    dynatrain plan --model llama3-70b --from dp_shard=16,tp=8 --to pp=2,dp_shard=8,tp=8 [--stages-per-rank 1]
         [--rank-map identity|optimal] [--budget-mb 2048] [--gpus-per-node 8] [--link-gbps 200]
         [--nics-per-node 8] [--intra-node-gbps 3200] [--state fp32-adam|bf16-adam|fp32] [--json]
 """
@@ -54,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="current layout, e.g. dp_shard=16,tp=8 or dp_shard=32,tp=4,ep=16 (processes 0..N-1 in mesh "
                              "order)")
     parser.add_argument("--to", dest="new", required=True, type=_layout, metavar="LAYOUT", help="target layout")
+    parser.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
+                        help="pipeline stages per pp rank in both layouts (interleaved schedules take 2 or more; "
+                             "default 1): with pp=P the model is split into P x V stages of whole layers")
     parser.add_argument("--leave", type=_process_list, default=[], metavar="IDS",
                         help="processes that must leave, e.g. 3,17 or 64-127 (they still send what they hold)")
     parser.add_argument("--lost", type=_process_list, default=[], metavar="IDS",
@@ -89,14 +93,19 @@ def compute(args: argparse.Namespace) -> dict:
     args.new.validate(model)
     if not args.budget_mb > 0:
         raise ValueError(f"--budget-mb must be positive, got {args.budget_mb}")
+    if args.stages_per_rank < 1:
+        raise ValueError(f"--stages-per-rank must be at least 1, got {args.stages_per_rank}")
     budget = max(1, int(args.budget_mb * (1 << 20)))
     network = NetworkModel(args.gpus_per_node or 8, args.link_gbps, args.nics_per_node, args.intra_node_gbps)
 
     freeze_import_time_objects()  # what the planner's imports made is never garbage: keep collections cheap
     start = time.perf_counter()
-    old = layout_for_model(model, args.old, args.state)
-    # Expert placements follow no dense rule: the target's boxes come from its own analytic placements.
-    target = layout_for_model(model, args.new, args.state) if isinstance(model, MoEConfig) else args.new
+    v = args.stages_per_rank
+    old = layout_for_model(model, args.old, args.state, stages_per_rank=v)
+    # Expert placements follow no dense rule, and a pipeline stage holds whole layers by the model's stage split:
+    # those targets' boxes come from their own analytic placements.
+    target = (layout_for_model(model, args.new, args.state, stages_per_rank=v)
+              if isinstance(model, MoEConfig) or args.new.pp > 1 else args.new)
     plan = plan_switch(old, target, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
                        budget_bytes=budget, gpus_per_node=args.gpus_per_node)
     sent, recv = plan.rank_bytes()
@@ -112,6 +121,7 @@ def compute(args: argparse.Namespace) -> dict:
         "state": args.state,
         "from": args.old.short(),
         "to": args.new.short(),
+        "stages_per_rank": v,
         "rank_map": asg.method,
         "processes_old": len(old.processes),
         "processes_new": len(plan.new.processes),
@@ -128,6 +138,7 @@ def compute(args: argparse.Namespace) -> dict:
         "max_rank_send_bytes": max(sent.values(), default=0),
         "max_rank_recv_bytes": max(recv.values(), default=0),
         "rounds": plan.num_rounds,
+        "pairs": len(plan.table.pair_bytes),  # ordered (sender, receiver) pairs with bytes on the wire
         "phases": len(plan.groups),
         "budget_bytes": budget,
         "peak_staging_bytes": plan.peak_staging_bytes,
@@ -151,6 +162,11 @@ def _size(n: int | None) -> str:
     return f"{n} B"
 
 
+def _stages(r: dict) -> str:
+    pipelined = "pp=" in r["from"] or "pp=" in r["to"]
+    return f", {r['stages_per_rank']} pipeline stage(s) per pp rank" if pipelined else ""
+
+
 def _pct(x: float | None) -> str:
     return "" if x is None else f" ({100 * x:.1f}% of all state)"
 
@@ -160,7 +176,8 @@ def render(r: dict) -> str:
     lines = [
         f"model {r['model']}, state {r['state']}",
         f"switch {r['from']} ({r['processes_old']} processes) -> {r['to']} ({r['processes_new']} processes), "
-        f"rank map {r['rank_map']}; leaving {len(r['leaving'])}, lost {len(r['lost'])}, joining {len(r['joining'])}",
+        f"rank map {r['rank_map']}{_stages(r)}; leaving {len(r['leaving'])}, lost {len(r['lost'])}, "
+        f"joining {len(r['joining'])}",
         f"bytes total                {_size(r['bytes_total'])}",
         f"bytes moved                {_size(r['bytes_moved'])}{_pct(r['fraction_moved'])}",
         f"bytes moved, identity map  {_size(r['bytes_moved_identity'])}{_pct(r['fraction_moved_identity'])}",

@@ -96,6 +96,10 @@ def moe_states(cfg: MoEConfig, kind: str = "fp32-adam") -> tuple[StateSpec, ...]
 def moe_layout(cfg: MoEConfig, pcfg: ParallelConfig, kind: str = "fp32-adam",
                rank_map: Sequence[int | None] | None = None) -> Layout:
     """The layout `parallelize_moe` gives ``cfg`` on ``pcfg``; ``rank_map`` defaults to position = process."""
+    if pcfg.pp > 1:
+        # `parallelize_moe` does not split the model into stages; placements without a stage would be wrong.
+        raise ValueError(f"pipeline parallelism is not supported for mixture-of-experts models yet: use pp=1 "
+                         f"(model {cfg.name!r}, layout {pcfg.short()})")
     pcfg.validate(cfg)
     per_param = _param_shardings(cfg, pcfg)
     states = moe_states(cfg, kind)

@@ -31,19 +31,39 @@ def balanced_split(n_layers: int, n_stages: int, first_cost: float = 0.0, last_c
         extra = (first_cost if stage == 0 else 0.0) + (last_cost if stage == n_stages - 1 else 0.0)
         return (hi - lo) * layer_cost + extra
 
-    # best[k][i]: the smallest possible largest cost of stages k.. holding layers i..n (each stage >= 1 layer).
-    inf = float("inf")
-    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
-    best[n_stages][n_layers] = 0.0
-    for k in range(n_stages - 1, -1, -1):
-        left = n_stages - k - 1  # stages after k, each needing a layer
-        for i in range(k, n_layers - left):
-            for j in range(i + 1, n_layers - left + 1):
-                value = max(cost(k, i, j), best[k + 1][j])
-                # Strictly better only: the first (shortest) run wins ties, keeping early stages light.
-                if value < best[k][i] - 1e-12:
-                    best[k][i], cut[k][i] = value, j
+    def solve(allowed, score, total):
+        """Suffix DP over (stage k, first layer i): the best ``total`` (max or sum) of ``score(k, cost)`` over
+        stages k.., each stage's cost ``allowed(k, cost)``; returns the best of the whole split and the cuts."""
+        inf = float("inf")
+        best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+        cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+        best[n_stages][n_layers] = 0.0
+        for k in range(n_stages - 1, -1, -1):
+            left = n_stages - k - 1  # stages after k, each needing a layer
+            for i in range(k, n_layers - left):
+                for j in range(i + 1, n_layers - left + 1):
+                    c, rest = cost(k, i, j), best[k + 1][j]
+                    if not allowed(k, c):
+                        break  # a longer stage k costs more
+                    if rest == inf:
+                        continue
+                    value = total(score(k, c), rest)
+                    # Strictly better only: the first (shortest) run wins ties, keeping early stages light.
+                    if value < best[k][i] - 1e-9:
+                        best[k][i], cut[k][i] = value, j
+        return best[0][0], cut
+
+    def within(*caps):
+        return lambda k, c: all(c * w(k) <= cap + 1e-9 for w, cap in caps)
+
+    one = lambda k: 1.0  # noqa: E731
+    in_flight = lambda k: float(n_stages - k)  # noqa: E731  (1F1B: stage k holds n - k micro-batches)
+    # 1. the busiest stage as light as possible (the step's pace);
+    slowest, _ = solve(lambda k, c: True, lambda k, c: c, max)
+    # 2. then the least peak of in-flight activations (stage k runs n - k forwards before its first backward);
+    memory, _ = solve(within((one, slowest)), lambda k, c: in_flight(k) * c, max)
+    # 3. then the most even split (least sum of squared costs) among those.
+    _, cut = solve(within((one, slowest), (in_flight, memory)), lambda k, c: c * c, lambda a, b: a + b)
     out, i = [], 0
     for k in range(n_stages):
         j = cut[k][i]

@@ -97,9 +97,14 @@ def _node_blocks(cands: list[int], gpus_per_node: int) -> list[list[int]]:
     return [blocks[n] for n in sorted(blocks)]
 
 
+def _tp_groups(pcfg: ParallelConfig) -> int:
+    """TP groups of a layout: ``tp`` consecutive positions each, every pipeline stage's included."""
+    return pcfg.world_size // pcfg.tp
+
+
 def _infeasible(pcfg: ParallelConfig, gpus_per_node: int, blocks: list[list[int]]) -> ValueError:
     return ValueError(
-        f"cannot keep {pcfg.dp_size} TP groups of tp={pcfg.tp} inside nodes of {gpus_per_node} GPUs: "
+        f"cannot keep {_tp_groups(pcfg)} TP groups of tp={pcfg.tp} inside nodes of {gpus_per_node} GPUs: "
         f"the available processes per node are {[len(b) for b in blocks]}; "
         "use a smaller tp, fewer leavers, or no --gpus-per-node"
     )
@@ -114,7 +119,7 @@ def identity_map(cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | No
     blocks = _node_blocks(cands, gpus_per_node)
     free = [list(b) for b in blocks]
     out: list[int] = []
-    for _ in range(pcfg.dp_size):
+    for _ in range(_tp_groups(pcfg)):
         node = next((f for f in free if len(f) >= pcfg.tp), None)
         if node is None:
             raise _infeasible(pcfg, gpus_per_node, blocks)
@@ -174,23 +179,20 @@ def optimal_map(
     if gpus_per_node is None or pcfg.tp == 1:
         row_of = _sparse_lap(csr_matrix(w))
         return [cands[int(r)] for r in row_of]
-    if issparse(w):
-        w = w.toarray()
     _check_nodes(pcfg, gpus_per_node)
-    tp, n_groups = pcfg.tp, pcfg.dp_size
+    tp, n_groups = pcfg.tp, _tp_groups(pcfg)
     blocks = _node_blocks(cands, gpus_per_node)
     caps = [min(len(b) // tp, n_groups) for b in blocks]
     if sum(caps) < n_groups:
         raise _infeasible(pcfg, gpus_per_node, blocks)
+    rows_of = _NodeRows(w, blocks)
     # Level 1: value of each (node, group), an exact small assignment where the node holds anything useful.
     value = np.zeros((len(blocks), n_groups), dtype=np.int64)
-    for n, rows in enumerate(blocks):
+    for n in range(len(blocks)):
         if caps[n] == 0:
             continue
-        sub = w[rows]
-        per_group = sub.reshape(len(rows), n_groups, tp).sum(axis=(0, 2))
-        for g in np.nonzero(per_group)[0]:
-            block = sub[:, g * tp:(g + 1) * tp]
+        for g in rows_of.useful_groups(n, n_groups, tp):
+            block = rows_of.block(n, range(g * tp, (g + 1) * tp))
             r, c = _lap(block)
             value[n, g] = int(block[r, c].sum())
     slot_node = [n for n, cap in enumerate(caps) for _ in range(cap)]
@@ -198,7 +200,7 @@ def optimal_map(
     node_of_group = [0] * n_groups
     for s, g in zip(s_idx.tolist(), g_idx.tolist()):
         node_of_group[g] = slot_node[s]
-    node_of_group = _improve(w, blocks, caps, tp, node_of_group, value)
+    node_of_group = _improve(rows_of, caps, tp, node_of_group, value)
     # Level 2: exact placement inside each node.
     for n in range(len(blocks)):
         groups = [g for g in range(n_groups) if node_of_group[g] == n]
@@ -206,14 +208,51 @@ def optimal_map(
             continue
         rows = blocks[n]
         cols = [g * tp + t for g in groups for t in range(tp)]
-        r, c = _lap(w[np.ix_(rows, cols)])
+        r, c = _lap(rows_of.block(n, cols))
         for ri, ci in zip(r, c):
             out[cols[int(ci)]] = cands[rows[int(ri)]]
     return out
 
 
+class _NodeRows:
+    """Each node's rows of ``W`` (its processes), read as small dense blocks. A sparse ``W`` stays sparse (at
+    16,384 processes the dense matrix takes 2 GiB): per node only the columns where it saves anything are kept."""
+
+    def __init__(self, w, blocks: list[list[int]]) -> None:
+        self.blocks = blocks
+        self.sparse = issparse(w)
+        self.w = csr_matrix(w) if self.sparse else w
+        if self.sparse:
+            self.cols, self.vals = [], []
+            for rows in blocks:
+                sub = self.w[rows]
+                nz = np.unique(sub.indices[sub.data > 0])
+                self.cols.append(nz)
+                self.vals.append(sub[:, nz].toarray())
+
+    def useful_groups(self, n: int, n_groups: int, tp: int) -> np.ndarray:
+        """TP groups (ascending) in which node ``n``'s processes save anything (entries are never negative)."""
+        if self.sparse:
+            return np.unique(self.cols[n] // tp)
+        sub = self.w[self.blocks[n]]
+        return np.nonzero(sub.reshape(len(self.blocks[n]), n_groups, tp).sum(axis=(0, 2)))[0]
+
+    def block(self, n: int, cols) -> np.ndarray:
+        """``W[node n's rows][:, cols]``, dense."""
+        if not self.sparse:
+            return self.w[np.ix_(self.blocks[n], list(cols))]
+        cols = np.asarray(list(cols), dtype=np.int64)
+        nz = self.cols[n]
+        out = np.zeros((len(self.blocks[n]), len(cols)), dtype=self.vals[n].dtype)
+        at = np.searchsorted(nz, cols)
+        hit = at < len(nz)
+        hit[hit] = nz[at[hit]] == cols[hit]
+        out[:, hit] = self.vals[n][:, at[hit]]
+        return out
+
+
 def _improve(
-    w: np.ndarray, blocks: list[list[int]], caps: list[int], tp: int, node_of_group: list[int], value: np.ndarray
+    rows_of: _NodeRows, caps: list[int], tp: int, node_of_group: list[int], value: np.ndarray
 ) -> list[int]:
     """Local search on the group -> node map: move a group to a node with a free slot, or swap two groups,
     whenever the exact per-node values say the total improves. Only nodes where a group is worth something
@@ -226,7 +265,7 @@ def _improve(
         if got is None:
             if groups:
                 cols = [g * tp + t for g in groups for t in range(tp)]
-                sub = w[np.ix_(blocks[n], cols)]
+                sub = rows_of.block(n, cols)
                 r, c = _lap(sub)
                 got = int(sub[r, c].sum())
             else:
@@ -235,7 +274,7 @@ def _improve(
         return got
 
     n_groups = len(node_of_group)
-    on: list[list[int]] = [[] for _ in blocks]
+    on: list[list[int]] = [[] for _ in rows_of.blocks]
     for g, n in enumerate(node_of_group):
         on[n].append(g)
     worth = [np.nonzero(value[:, g])[0].tolist() for g in range(n_groups)]
@@ -291,7 +330,7 @@ def check_rank_map(
     if bad:
         raise ValueError(f"the rank map names processes {bad} that are not available (left, lost or unknown)")
     if gpus_per_node is not None and pcfg.tp > 1:
-        for g in range(pcfg.dp_size):
+        for g in range(_tp_groups(pcfg)):
             nodes = {p // gpus_per_node for p in rank_map[g * pcfg.tp:(g + 1) * pcfg.tp]}
             if len(nodes) > 1:
                 raise ValueError(f"TP group {g} of the rank map spans nodes {sorted(nodes)}; keep it in one node")

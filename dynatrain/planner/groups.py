@@ -20,13 +20,18 @@ from dynatrain.vps.layout import Layout
 
 
 def _local_numel(layout: Layout, processes: list[int]) -> list[np.ndarray]:
-    """Per class of ``layout``: the local element count of each process (0 where it holds no position)."""
-    pos = np.array([-1 if layout.position_of(p) is None else layout.position_of(p) for p in processes])
+    """Per class of ``layout``: the local element count of each process (0 where it holds no position), from the
+    class's box arrays (which routing builds anyway), not from one Python call per position and class."""
+    pos = np.array([-1 if layout.position_of(p) is None else layout.position_of(p) for p in processes],
+                   dtype=np.int64)
     held = pos >= 0
+    at = np.where(held, pos, 0)
     out = []
-    for shards in layout.classes:
-        per_pos = np.array([h.numel for h in shards], dtype=np.int64)
-        out.append(np.where(held, per_pos[np.where(held, pos, 0)], 0))
+    for c in range(len(layout.classes)):
+        boxes = layout.class_boxes(c)
+        per_pos = np.zeros(layout.world_size, dtype=np.int64)
+        np.add.at(per_pos, boxes.position, np.prod(boxes.hi - boxes.lo, axis=1))
+        out.append(np.where(held, per_pos[at], 0))
     return out
 
 
@@ -36,18 +41,21 @@ def state_groups(old: Layout, new: Layout, limit: int) -> tuple[tuple[int, ...],
     processes = sorted(set(old.processes) | set(new.processes))
     old_n, new_n = _local_numel(old, processes), _local_numel(new, processes)
     size = [s.itemsize for s in old.states]
-    src = [old_n[c] * size[i] for i, c in enumerate(old.state_class)]
-    dst = [new_n[c] * size[i] for i, c in enumerate(new.state_class)]
-    order = sorted(range(len(size)), key=lambda i: (int(dst[i].sum() > src[i].sum()), i))
+    old_c, new_c = old.state_class, new.state_class
+    # A state shrinks when its class's elements do: the itemsize scales both sides alike.
+    old_total, new_total = [int(n.sum()) for n in old_n], [int(n.sum()) for n in new_n]
+    order = sorted(range(len(size)), key=lambda i: (int(new_total[new_c[i]] > old_total[old_c[i]]), i))
     groups: list[tuple[int, ...]] = []
     members: list[int] = []
     in_src = np.zeros(len(processes), dtype=np.int64)
     in_dst = np.zeros(len(processes), dtype=np.int64)
     for i in order:
-        grown_src, grown_dst = in_src + src[i], in_dst + dst[i]
+        # Per-state byte vectors are made on the fly: at 16,384 processes keeping them all would take a GiB.
+        src, dst = old_n[old_c[i]] * size[i], new_n[new_c[i]] * size[i]
+        grown_src, grown_dst = in_src + src, in_dst + dst
         if members and np.minimum(grown_src, grown_dst).max(initial=0) > limit:
             groups.append(tuple(members))
-            members, grown_src, grown_dst = [], src[i].copy(), dst[i].copy()
+            members, grown_src, grown_dst = [], src, dst
         members.append(i)
         in_src, in_dst = grown_src, grown_dst
     if members:

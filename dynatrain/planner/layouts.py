@@ -1,5 +1,6 @@
-"""Layout planner: which ``dp_replicate x dp_shard x tp`` (and, for a mixture-of-experts model, which ``ep``) to
-run on the devices at hand, and whether a switch to it pays for itself.
+"""Layout planner: which ``pp x dp_replicate x dp_shard x tp`` (and, for a mixture-of-experts model, which ``ep``)
+to run on the devices at hand, and whether a switch to it pays for itself. Pipeline layouts are costed as 1F1B with
+one stage per pp rank (the terms are in `planner.pipeline_cost`).
 
 Pure Python (no torch, no process group): a 70B model on 1,024 devices is sized in milliseconds. The cost model,
 its formulas and its assumptions are in docs/layouts.md; the switch cost comes from the routing planner
@@ -23,8 +24,14 @@ from dynatrain.models.configs import ModelConfig
 from dynatrain.models.moe_configs import MoEConfig
 from dynatrain.models.moe_specs import is_routed_expert, moe_tp_dim
 from dynatrain.planner.network import NetworkModel
+from dynatrain.planner.pipeline_cost import (
+    StageLoad, StageTerms, boundary_inside_node, in_flight, p2p_seconds, pipeline_step, stage_activation_bytes,
+    stage_loads, stage_params, tp_all_reduces,
+)
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.models.specs import get_zoo_config, layout_for_model, model_states, rule_for_param
+from dynatrain.models.specs import (
+    get_zoo_config, layout_for_model, model_states, pipeline_stage_split, rule_for_param,
+)
 from dynatrain.vps.layout import DTYPE_ITEMSIZE, STATE_KINDS, Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -83,6 +90,7 @@ class Workload:
     reduce_dtype: str = "float32"
     sequence_parallel: bool = False
     fused_attention: bool = True
+    pipeline: bool = True  # pp layouts are candidates (the module can be split into stages)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", get_zoo_config(self.model))
@@ -169,10 +177,12 @@ class StepTime:
     tp: float      # activation all-reduces and the logits all-gather inside the TP group
     hidden: float  # data-parallel communication hidden behind compute
     ep: float = 0.0  # token dispatch and combine all-to-alls inside the ep group (mixture of experts)
+    bubble: float = 0.0  # pipeline stages idle while the pipeline fills and drains (pp > 1)
+    p2p: float = 0.0     # activations and their gradients sent between pipeline stages (pp > 1)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.ep + self.fsdp + self.hsdp - self.hidden
+        return self.compute + self.tp + self.ep + self.fsdp + self.hsdp - self.hidden + self.bubble + self.p2p
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,7 @@ class _Sizes:
     experts: int = 0        # routed expert parameters, all layers (whole on every TP rank)
     expert_block: int = 0   # of those, one layer's
     expert_active: int = 0  # routed expert parameters one token multiplies (top_k of n_experts)
+    embedding: int = 0      # of ``root``, the input embedding's (the rest, final norm and output, runs last)
 
 
 def _tp_dim(model: ModelConfig | MoEConfig, name: str, shape: tuple[int, ...]) -> int | None:
@@ -232,7 +243,7 @@ def _tp_dim(model: ModelConfig | MoEConfig, name: str, shape: tuple[int, ...]) -
 
 @lru_cache(maxsize=256)
 def _sizes(model: ModelConfig | MoEConfig, tp: int) -> _Sizes:
-    tp_local = block = root = experts = expert_block = 0
+    tp_local = block = root = experts = expert_block = embedding = 0
     for name, shape in model.param_shapes().items():
         n = math.prod(shape)
         if is_routed_expert(name):
@@ -245,12 +256,13 @@ def _sizes(model: ModelConfig | MoEConfig, tp: int) -> _Sizes:
             block += local
         elif not name.startswith("layers."):
             root += local
+            embedding += local if name.startswith("tok_embeddings.") else 0
     if isinstance(model, MoEConfig):
         active = experts * model.top_k // model.n_experts
         matmul = model.num_params() - experts - model.vocab_size * model.dim
-        return _Sizes(tp_local, block, root, matmul, experts, expert_block, active)
+        return _Sizes(tp_local, block, root, matmul, experts, expert_block, active, embedding)
     matmul = model.num_params() - model.vocab_size * model.dim
-    return _Sizes(tp_local, block, root, matmul)
+    return _Sizes(tp_local, block, root, matmul, embedding=embedding)
 
 
 # ---------------------------------------------------------------------------------------------- groups
@@ -354,6 +366,12 @@ def _activation_bytes_per_token(model: ModelConfig, work: Workload, tp: int) -> 
     block in dynatrain/models/llama.py (see docs/layouts.md)."""
     if isinstance(model, MoEConfig):
         return _moe_activation_bytes_per_token(model, work, tp)
+    per_layer, final_norm = _dense_layer_bytes(model, work, tp)
+    return model.n_layers * per_layer + final_norm
+
+
+def _dense_layer_bytes(model: ModelConfig, work: Workload, tp: int) -> tuple[float, float]:
+    """(one block's, the final norm's) activation bytes per token of the dense model."""
     e = DTYPE_ITEMSIZE[work.compute_dtype]
     h, f, s = model.dim, model.ffn_dim, work.seq_len
     kv = model.n_kv_heads * model.head_dim
@@ -366,7 +384,7 @@ def _activation_bytes_per_token(model: ModelConfig, work: Workload, tp: int) -> 
     # Without a fused kernel the scores and the softmax of every head are kept: a row of seq_len per head.
     scores = 0 if work.fused_attention else 2 * e * model.n_heads * s / tp
     final_norm = (4 + e) * h / (tp if work.sequence_parallel else 1)
-    return model.n_layers * (norms + sharded + scores) + final_norm
+    return norms + sharded + scores, final_norm
 
 
 def _logit_bytes_per_token(model: ModelConfig, work: Workload) -> float:
@@ -377,6 +395,8 @@ def _logit_bytes_per_token(model: ModelConfig, work: Workload) -> float:
 
 
 def estimate_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
+    if cfg.pp > 1:
+        return _pipeline_memory(cfg, work)
     model = work.model
     sizes = _sizes(model, cfg.tp)
     # Routed experts split over ep and then over efsdp: every dp_shard rank holds 1/dp_shard of them, whatever ep.
@@ -414,6 +434,8 @@ def _compute_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> f
 
 def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: CostModel,
                   micro_steps: int) -> StepTime:
+    if cfg.pp > 1:
+        return _pipeline_step(cfg, devices, work, cost, micro_steps)
     model = work.model
     sizes = _sizes(model, cfg.tp)
     ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
@@ -452,6 +474,79 @@ def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: C
     ep = _all_to_all_step_seconds(cfg, devices, work)
     return StepTime(micro_steps, compute, micro_steps * fsdp, micro_steps * hsdp, micro_steps * tp,
                     hidden=min(dp_comm, cost.overlap * compute), ep=micro_steps * ep)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline stages
+@lru_cache(maxsize=256)
+def _pipeline_loads(model: ModelConfig | MoEConfig, pp: int) -> tuple[StageLoad, ...]:
+    """What each pp rank runs, by the stage split the runtime uses (one stage per rank)."""
+    if isinstance(model, MoEConfig):
+        raise ValueError("pipeline parallelism is not supported for mixture-of-experts models yet: use pp=1")
+    return stage_loads(pipeline_stage_split(model, pp), pp)
+
+
+def _pipeline_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
+    """The busiest pp rank's memory. Each stage's FSDP2 blocks keep their parameters gathered from the first forward
+    to the end of the step (`apply_fsdp_stages`: the schedule runs several forwards before a backward), and torch's
+    pipeline schedule accumulates their gradients unsharded, in the reduce dtype, until it reduce-scatters them once
+    after the last micro-batch."""
+    model, sizes = work.model, _sizes(work.model, cfg.tp)
+    per_layer, final_norm = _dense_layer_bytes(model, work, cfg.tp)
+    ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
+    tokens = work.micro_batch * work.seq_len
+    micro = max(1, work.global_batch // (cfg.dp_size * work.micro_batch))
+    out = []
+    for load in _pipeline_loads(model, cfg.pp):
+        params = stage_params(load, sizes.block, sizes.embedding, sizes.root - sizes.embedding)
+        gathered = params * ce if cfg.dp_shard > 1 or work.compute_dtype != work.weight_dtype else 0.0
+        gathered += params * re if cfg.dp_size > 1 else 0.0
+        out.append(MemoryEstimate(
+            states=params / cfg.dp_shard * work.state_bytes,
+            grads=params / cfg.dp_shard * work.grad_bytes,
+            gathered=gathered,
+            activations=(in_flight(cfg.pp, load.coordinate, micro) * tokens
+                         * stage_activation_bytes(load, per_layer, final_norm, model.dim * ce)),
+            logits=tokens * _logit_bytes_per_token(model, work) if load.last else 0.0,
+        ))
+    return max(out, key=lambda m: m.total)
+
+
+def _pipeline_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: CostModel,
+                   micro_steps: int) -> StepTime:
+    """A 1F1B step (`pipeline_cost.pipeline_step`). Per micro-batch a pp rank computes its blocks, runs their TP
+    all-reduces and exchanges activations with its neighbours; FSDP gathers each stage once per step (those
+    all-gathers can hide behind compute) and reduce-scatters once after the last micro-batch, exposed like the HSDP
+    all-reduce."""
+    model = work.model
+    sizes, whole = _sizes(model, cfg.tp), _sizes(model, 1)
+    ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
+    latency = devices.network.round_latency_s
+    shard_group, replicate_group = _groups(cfg, devices.per_node)
+    activation = work.micro_batch * work.seq_len * model.dim * ce
+    all_reduce = _collective_seconds(activation, _Group(cfg.tp, 1, cfg.tp), devices, all_reduce=True) + latency
+    logits = _collective_seconds(work.micro_batch * work.seq_len * model.vocab_size * ce,
+                                 _Group(cfg.tp, 1, cfg.tp), devices, all_reduce=False) + latency
+    link = (devices.network.intra_bytes_per_s if boundary_inside_node(cfg.world_size, devices.per_node)
+            else _inter_share(devices))
+    # Per token: a block's matmuls and attention scores; the final norm and the output projection.
+    block_flops = 6 * whole.block + 12 * model.dim * work.seq_len
+    head_flops = 6 * (whole.root - whole.embedding)
+    terms = []
+    for load in _pipeline_loads(model, cfg.pp):
+        flops = stage_params(load, block_flops, 0, head_flops)  # the embedding is a lookup: no matmul
+        compute = work.tokens_per_step * flops / cfg.stage_size / (devices.flops * devices.efficiency)
+        tp = micro_steps * (tp_all_reduces(load) * all_reduce + (logits if load.last else 0.0)) if cfg.tp > 1 else 0.0
+        params = stage_params(load, sizes.block, sizes.embedding, sizes.root - sizes.embedding)
+        gather = _collective_seconds(params * ce, shard_group, devices, all_reduce=False) if cfg.dp_shard > 1 else 0.0
+        fsdp = (gather + _collective_seconds(params * re, shard_group, devices, all_reduce=False)
+                + 2 * (load.layers + 1) * latency) if cfg.dp_shard > 1 else 0.0
+        hsdp = (_collective_seconds(params / cfg.dp_shard * re, replicate_group, devices, all_reduce=True)
+                + (load.layers + 1) * latency) if cfg.dp_replicate > 1 else 0.0
+        terms.append(StageTerms(compute, tp, p2p_seconds(activation, micro_steps, link, latency), fsdp, hsdp,
+                                min(gather, cost.overlap * compute)))
+    slowest, exposed, bubble = pipeline_step(terms, micro_steps)
+    return StepTime(micro_steps, slowest.compute, exposed.fsdp, exposed.hsdp, slowest.tp, exposed.hidden,
+                    bubble=bubble, p2p=slowest.p2p)
 
 
 def _expert_fsdp_seconds(cfg: ParallelConfig, sizes: _Sizes, devices: Devices, work: Workload) -> float:
@@ -494,6 +589,11 @@ def _structural_reasons(cfg: ParallelConfig, devices: Devices, work: Workload) -
             f"global_batch={work.global_batch} is not a multiple of dp_size*micro_batch = "
             f"{cfg.dp_size}*{work.micro_batch} = {per_step}: gradient accumulation cannot keep the global batch"
         )
+    if cfg.pp > 1 and work.global_batch // per_step < cfg.pp:
+        reasons.append(
+            f"1F1B needs at least pp={cfg.pp} micro-batches per step, and global_batch / (dp_size*micro_batch) = "
+            f"{work.global_batch // per_step}: use a smaller pp or dp_size, or a larger global_batch"
+        )
     return reasons
 
 
@@ -511,6 +611,8 @@ def estimate_layout(cfg: ParallelConfig | str, devices: Devices, work: Workload,
     base = dict(config=cfg, memory_limit=limit, tokens_per_step=work.tokens_per_step)
     try:
         cfg.validate(work.model)
+        if cfg.pp > 1:
+            _pipeline_loads(work.model, cfg.pp)
     except ValueError as err:
         return LayoutCandidate(reasons=(str(err),), **base)
     reasons = _structural_reasons(cfg, devices, work)
@@ -527,26 +629,37 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_configs(count: int, model: ModelConfig | MoEConfig | None = None) -> list[ParallelConfig]:
+def enumerate_configs(count: int, model: ModelConfig | MoEConfig | None = None, pipeline: bool = True
+                      ) -> list[ParallelConfig]:
     """Every (dp_replicate, dp_shard, tp) whose product is ``count``; for a mixture-of-experts ``model`` also
-    every ep that divides both dp_shard and the model's experts."""
+    every ep that divides both dp_shard and the model's experts; for a dense ``model`` also every pp > 1 that
+    divides ``count`` and has a layer per stage, with every (dp_replicate, dp_shard, tp) of ``count / pp``."""
     n_experts = getattr(model, "n_experts", None)
     out = []
     for tp in _divisors(count):
         for shard in _divisors(count // tp):
             eps = [e for e in _divisors(shard) if n_experts and not n_experts % e] or [1]
             out += [ParallelConfig(count // (tp * shard), shard, tp, ep) for ep in eps]
+    if isinstance(model, ModelConfig) and pipeline:
+        for pp in _divisors(count)[1:]:
+            if pp > model.n_layers:
+                break
+            stage = count // pp
+            out += [ParallelConfig(stage // (tp * shard), shard, tp, pp=pp)
+                    for tp in _divisors(stage) for shard in _divisors(stage // tp)]
     return out
 
 
 def _rank_key(c: LayoutCandidate) -> tuple:
     # Equal predicted times (compute-bound layouts) go to the smaller memory footprint, then the simpler mesh.
-    return (float(f"{c.step_seconds:.9g}"), c.memory_bytes, c.config.tp, c.config.dp_replicate, c.config.ep)
+    return (float(f"{c.step_seconds:.9g}"), c.memory_bytes, c.config.tp, c.config.dp_replicate, c.config.ep,
+            c.config.pp)
 
 
 def rank_layouts(devices: Devices, work: Workload, cost: CostModel = CostModel()) -> list[LayoutCandidate]:
     """Every layout of ``devices.count`` devices: runnable ones fastest first, then the excluded ones."""
-    cands = [estimate_layout(cfg, devices, work, cost) for cfg in enumerate_configs(devices.count, work.model)]
+    cands = [estimate_layout(cfg, devices, work, cost)
+             for cfg in enumerate_configs(devices.count, work.model, work.pipeline)]
     runnable = sorted((c for c in cands if c.runnable), key=_rank_key)
     return runnable + [c for c in cands if not c.runnable]
 
@@ -594,8 +707,9 @@ def price_switch(current: ParallelConfig | str, target: ParallelConfig | str, de
     ``rank_map``: the process at each position of ``current`` (identity by default). ``leave``/``lost`` pass
     through to `plan_switch` for a change of device count."""
     current, target = ParallelConfig.parse(current), ParallelConfig.parse(target)
-    if isinstance(work.model, MoEConfig):
-        # Expert placements follow no dense rule: both layouts come from the analytic MoE placements.
+    if isinstance(work.model, MoEConfig) or current.pp > 1 or target.pp > 1:
+        # Expert placements follow no dense rule, and a pipeline stage holds the layers of the model's stage
+        # split: both layouts come from the analytic placements.
         old = layout_for_model(work.model, current, work.state_kind, rank_map)
         target = layout_for_model(work.model, target, work.state_kind)
     else:

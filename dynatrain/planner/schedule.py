@@ -483,6 +483,12 @@ def plan_switch(
         new_config = new_config.config
     else:
         new_config = ParallelConfig.parse(new_config)
+        if new_config.pp > 1:
+            # Which stage holds a layer depends on the model's stage split, which a layout shape does not carry.
+            raise ValueError(
+                f"a pipeline layout ({new_config.short()}) places whole layers on stages, which its shape alone does "
+                "not say: pass the target as a Layout (e.g. models.specs.layout_for_model(model, layout))"
+            )
         new0 = None
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")

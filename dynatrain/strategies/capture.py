@@ -82,7 +82,7 @@ def _mesh_runs(mesh: DeviceMesh, root: DeviceMesh) -> list[tuple[int, ...] | Non
 
 def _stage_coordinate(root: DeviceMesh) -> tuple[int, int] | None:
     """(root dimension, this process's coordinate) of the pipeline stages, or None without pp."""
-    names = tuple(root.mesh_dim_names or ())
+    names = tuple(getattr(root, "mesh_dim_names", None) or ())
     if "pp" not in names or root.mesh.shape[names.index("pp")] == 1:
         return None
     dim = names.index("pp")

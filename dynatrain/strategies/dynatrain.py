@@ -333,7 +333,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         stages = pipeline_stages(module)
         if stages is None:
             raise ValueError(f"layout {pcfg.short()} has pp={pcfg.pp}, but the module's parallelisation split no "
-                             "model into stages: see docs/layouts.md, 'Pipeline parallelism'")
+                             "model into stages: see docs/pipeline.md")
         self.pipeline = PipelineRunner(stages, self.device_mesh, self.pipeline_schedule, module.pipeline_loss,
                                        self.root_device)
 

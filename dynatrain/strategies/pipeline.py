@@ -36,7 +36,7 @@ def check_pipeline_module(module) -> None:
         raise ValueError(
             f"{type(module).__name__} has no `pipeline_loss(output, target)` method: with pp > 1 the strategy runs "
             "the pipeline schedule itself and needs the loss the last stage computes per micro-batch (see "
-            "docs/layouts.md, 'Pipeline parallelism'); add it or use pp=1"
+            "docs/pipeline.md); add it or use pp=1"
         )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -446,17 +446,9 @@ class Switcher:
             try:
                 if probe or target.pp > 1:
                     # A pipeline's other stages are read from probes placed on them; nothing is built to reuse.
-                    builds = []
-                    for stage in range(target.pp):
-                        with probe_mesh(target, strategy.root_device.type, stage) as mesh:
-                            build = self._build(mesh, target)
-                            if pipeline_stages(build) is None:
-                                raise ValueError(
-                                    f"{target.short()} asks for pipeline stages, but the module's parallelisation "
-                                    "split no model into stages (see docs/layouts.md, 'Pipeline parallelism'): use "
-                                    "pp=1 for this module")
-                            builds.append((build, mesh))
-                            per_param = target_shardings(builds, captured) if stage == target.pp - 1 else None
+                    with ExitStack() as probes:
+                        builds = [self._probe_build(probes, target, stage) for stage in range(target.pp)]
+                        per_param = target_shardings(builds, captured)
                     built = None
                 else:
                     mesh = strategy._build_mesh(target)
@@ -472,6 +464,16 @@ class Switcher:
             return tuple(shardings[captured.param_of[s.name][0]] for s in captured.specs), built
         except KeyError as e:
             raise ValueError(f"state {e.args[0]!r} appeared after the target layout was built") from None
+
+    def _probe_build(self, probes: ExitStack, target: ParallelConfig, stage: int):
+        """(the module parallelised for ``target`` as pipeline stage ``stage`` sees it, its probe mesh); the probe's
+        groups stay registered until ``probes`` closes."""
+        mesh = probes.enter_context(probe_mesh(target, self.strategy.root_device.type, stage))
+        build = self._build(mesh, target)
+        if target.pp > 1 and pipeline_stages(build) is None:
+            raise ValueError(f"{target.short()} asks for pipeline stages, but the module's parallelisation split no "
+                             "model into stages (see docs/pipeline.md): use pp=1 for this module")
+        return build, mesh
 
     def _build(self, mesh, target: ParallelConfig):
         try:

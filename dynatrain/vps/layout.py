@@ -119,6 +119,9 @@ class Layout:
     ) -> "Layout":
         """The layout `apply_tp` + `apply_fsdp` produce for ``pcfg``; ``rank_map`` defaults to position = process."""
         states = tuple(states)
+        if pcfg.pp > 1:
+            raise ValueError(f"layout {pcfg.short()} has pipeline stages, and the rules do not say which stage holds "
+                             "which state: build it with models.specs.layout_for_model or Layout.from_shardings")
         if rank_map is None:
             rank_map = tuple(range(pcfg.world_size))
         if len(rank_map) != pcfg.world_size:
