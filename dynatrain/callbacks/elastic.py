@@ -222,7 +222,7 @@ def workload_for(trainer: pl.Trainer) -> Workload:
         ("bfloat16" if "bf16" in str(trainer.precision) else "float32")
     reduce = _dtype_name(getattr(policy, "reduce_dtype", None)) or "float32"
     # pp only for a module the strategy can run as a pipeline (docs/pipeline.md).
-    pipeline = callable(getattr(trainer.lightning_module, "pipeline_loss", None))
+    pipeline = callable(getattr(getattr(trainer, "lightning_module", None), "pipeline_loss", None))
     return Workload(config, seq_len=data.seq_len, global_batch=data.global_batch_size,
                     micro_batch=data.micro_batch_size, compute_dtype=compute, reduce_dtype=reduce,
                     sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)), pipeline=pipeline)
