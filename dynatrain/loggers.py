@@ -20,3 +20,6 @@ class WandbLogger(_LightningWandbLogger):
         os.makedirs(save_dir, exist_ok=True)
         kwargs.setdefault("log_model", False)
         super().__init__(save_dir=save_dir, project=project, offline=offline, **kwargs)
+        if kwargs.get("anonymous") is None:
+            # Lightning always passes the key, and wandb warns that it has no effect whenever it is present.
+            self._wandb_init.pop("anonymous", None)

@@ -29,6 +29,10 @@ def _own_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LIGHTNING_COMMANDS:
+        from dynatrain.cli.quiet import take_verbose_flag
+
+        argv = take_verbose_flag(argv)
     if argv and argv[0] in LIGHTNING_COMMANDS and any(a.startswith("--elastic.") for a in argv):
         from dynatrain.cli.elastic import ElasticLauncher, split_elastic_args
 

@@ -86,7 +86,10 @@ def run_lightning_cli(argv: list[str]) -> int:
     from dynatrain.data import LlamaDataModule
     from dynatrain.llama_lm import CausalLM
 
+    from dynatrain.cli.quiet import quiet_libraries
+
     os.environ.setdefault("WANDB_MODE", "offline")
+    quiet_libraries()
     cli = _DynaTrainCLI(
         CausalLM,
         LlamaDataModule,

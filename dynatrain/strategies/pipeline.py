@@ -113,7 +113,7 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         sched = self._schedule(n_microbatches)
         args = (inputs,) if self.is_first else ()
-        sched.step(*args, target=target if self.is_last else None, losses=losses)
+        sched.step(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
         return self._shared_mean(losses), [loss.detach() for loss in losses]
 
     def evaluate(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ class PipelineRunner:
                 ScheduleGPipe(stages[0], 1, loss_fn=self.loss_fn)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
-        self._eval.eval(*args, target=target if self.is_last else None, losses=losses)
+        self._eval.eval(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
         return self._shared_mean(losses)
 
     def _shared_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""What `dynatrain fit` leaves out of its output: lines of the libraries it drives that say nothing about the job.
+
+Each is matched by its exact text, and only in dynatrain's own entry points (the processes `dynatrain fit`, its
+elastic members and `dynatrain join` start); a library user's own program sees everything. ``--verbose`` (or
+``DYNATRAIN_VERBOSE=1``, which the launched processes inherit) keeps them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+
+VERBOSE_ENV = "DYNATRAIN_VERBOSE"
+
+# Lightning's start-up lines, printed again by every process that builds a Trainer (joiners, standby processes).
+_INFO = (
+    "💡 Tip: For seamless cloud logging and experiment tracking,",
+    "💡 Tip: For seamless cloud uploads and versioning,",
+    "GPU available: ",
+    "TPU available: ",
+)
+_SEED = re.compile(r"^(\[rank: \d+\] )?Seed set to \d+$")
+_WARNINGS = (
+    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates, once per process.
+    "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and "
+    "treespec.is_leaf()` instead.",
+    # dynatrain hands LightningCLI the arguments it parsed; sys.argv keeps them too, since Lightning starts its
+    # local processes again from sys.argv.
+    "LightningCLI's args parameter is intended to run from within Python like if it were from the command line.",
+)
+
+
+class _LibraryLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (text.startswith(_INFO) or _SEED.match(text))
+
+
+def take_verbose_flag(argv: list[str]) -> list[str]:
+    """``argv`` without ``--verbose``; when it was there, every process of the job is verbose."""
+    if "--verbose" in argv:
+        os.environ[VERBOSE_ENV] = "1"
+    return [a for a in argv if a != "--verbose"]
+
+
+def quiet_libraries() -> None:
+    """Leave the library lines above out of this process's output (nothing when verbose)."""
+    if os.environ.get(VERBOSE_ENV) == "1":
+        return
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
+                 "lightning.fabric.utilities.seed"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _LibraryLines) for f in logger.filters):
+            logger.addFilter(_LibraryLines())
+    for text in _WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text))
