@@ -49,6 +49,8 @@ def quiet_libraries() -> None:
     """Leave the library lines above out of this process's output (nothing when verbose)."""
     if os.environ.get(VERBOSE_ENV) == "1":
         return
+    # wandb's own banner; the job's last lines say where the run is and how to upload it.
+    os.environ.setdefault("WANDB_SILENT", "true")
     for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
                  "lightning.fabric.utilities.seed"):
         logger = logging.getLogger(name)

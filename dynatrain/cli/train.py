@@ -31,6 +31,19 @@ def _summarise_switches(trainer) -> None:
         rank_zero_info(f"loss curve with switches: {os.path.abspath(png)}")
 
 
+def _where(logger) -> str:
+    """One line saying where a logger wrote the run (for W&B offline, also how to upload it)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger):
+        run_dir = getattr(getattr(logger, "_experiment", None), "dir", None)
+        if run_dir:
+            run = os.path.dirname(os.path.abspath(run_dir))  # the run's folder; `dir` is its files/ folder
+            return f"W&B run: {run} (upload with: wandb sync {run})"
+    where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+    return f"{type(logger).__name__} logs: {os.path.abspath(where)}" if where else ""
+
+
 def check_layout(trainer, model, datamodule) -> None:
     """Refuse a layout that cannot run before any process starts, with the error each rank would raise later.
 
@@ -106,8 +119,7 @@ def run_lightning_cli(argv: list[str]) -> int:
         if losses:
             rank_zero_info(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f} over {len(losses)} steps")
         for logger in trainer.loggers:
-            where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-            rank_zero_info(f"{type(logger).__name__} logs: {os.path.abspath(where)}" if where else "")
+            rank_zero_info(_where(logger))
         _summarise_switches(trainer)
     del cli, trainer
     teardown_distributed()
