@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import re
 import sys
 from pathlib import Path
 
@@ -23,8 +24,11 @@ def test_recipe_parses(recipe, capsys, monkeypatch):
     assert "dynatrain.DynaTrainStrategy" in out and "model:" in out
 
 
-def test_recipes_exist():
-    assert {r.stem for r in RECIPES} >= {"llama-debug", "llama-125m", "llama3-8b", "llama3-70b"}
+def test_recipes_exist_and_the_readme_lists_each_of_them():
+    assert {r.stem for r in RECIPES} >= {"llama-debug", "llama-125m", "llama-1b", "llama3-8b", "llama3-70b"}
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"--config recipes/([\w.-]+)\.yaml", readme))
+    assert listed == {r.stem for r in RECIPES}, f"README lists {sorted(listed)}, recipes/ has {[r.stem for r in RECIPES]}"
 
 
 @pytest.mark.multiprocess
