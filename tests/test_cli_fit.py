@@ -1,8 +1,8 @@
 """The recipes parse, and `dynatrain fit` trains the debug recipe end to end through Lightning's own launcher."""
 
 import os
-import subprocess
 import re
+import subprocess
 import sys
 from pathlib import Path
 
