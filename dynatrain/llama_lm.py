@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torchmetrics.text import Perplexity
 
 from dynatrain import moe_lm
@@ -121,8 +124,17 @@ class CausalLM(pl.LightningModule):
     def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, labels = batch
         logits = self.model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        return loss, logits, labels
+        return _cross_entropy(logits, labels), logits, labels
+
+    def loss_context(self):
+        """What the loss's backward runs under: with the strategy's loss parallelism the logits are split over the
+        vocabulary (tp > 1), and torch's vocabulary-parallel cross entropy needs its backward inside
+        `loss_parallel` too. Harmless where nothing is split."""
+        return _VocabParallel() if getattr(self.trainer.strategy, "loss_parallel", False) else nullcontext()
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        with self.loss_context():
+            super().backward(loss, *args, **kwargs)
 
     # ---- training -----------------------------------------------------------------------------------------
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -144,7 +156,7 @@ class CausalLM(pl.LightningModule):
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch on the last pipeline stage (pp > 1: the strategy runs the schedule)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return _cross_entropy(logits, labels)
 
     def on_pipeline_losses(self, losses: list[torch.Tensor], labels: torch.Tensor) -> None:
         """The step's micro-batch losses, on the last pipeline stage (none elsewhere)."""
@@ -219,6 +231,8 @@ class CausalLM(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, logits, labels = self._loss(batch)
+        if isinstance(logits, DTensor):  # split over the vocabulary: the metric needs every class
+            logits = logits.full_tensor()
         self.val_perplexity.update(logits.float(), labels)
         self.log("val/loss", loss, sync_dist=True, prog_bar=True)
 
@@ -250,6 +264,35 @@ class CausalLM(pl.LightningModule):
             optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class _VocabParallel:
+    """torch's `loss_parallel`, re-entrant: a pipeline runs the loss (which enters it) inside the schedule's step
+    (which must hold it for the backward), and leaving torch's context removes its handlers whatever the depth."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        if _VocabParallel.depth == 0:
+            self._context = loss_parallel()
+            self._context.__enter__()
+        _VocabParallel.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        _VocabParallel.depth -= 1
+        if _VocabParallel.depth == 0:
+            self._context.__exit__(*exc)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross entropy; logits split over the vocabulary (a DTensor, tp > 1) are never gathered whole."""
+    flat = logits.flatten(0, 1).float()
+    if isinstance(logits, DTensor):
+        with _VocabParallel():
+            # The mean comes out replicated: its local value is the loss on every tp rank, a plain tensor for
+            # whatever sums and logs it (backward still runs through the DTensor ops).
+            return F.cross_entropy(flat, labels.flatten()).to_local()
+    return F.cross_entropy(flat, labels.flatten())
 
 
 def _tp_size(strategy) -> int:

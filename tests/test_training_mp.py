@@ -73,3 +73,12 @@ def test_dcp_checkpoint_from_4_ranks_resumes_on_2(reference, tmp_path):
         assert res["global_step"] == 4
         assert len(res["losses"]) == 1
         assert_close(res["losses"], reference[3:4])
+
+
+def test_loss_parallel_equals_the_gathered_loss(tmp_path):
+    """tp=2: logits split over the vocabulary, cross entropy under `loss_parallel`, never gathered whole."""
+    for res in launch("loss_parallel.py", 2, ["--layout", "tp=2"], tmp_path):
+        split, gathered = res["split"], res["gathered"]
+        assert split["logits_split"] and not gathered["logits_split"]
+        assert abs(split["loss"] - gathered["loss"]) <= 1e-6 * abs(gathered["loss"])
+        assert res["max_grad_rel_diff"] <= 1e-5, res["max_grad_rel_diff"]

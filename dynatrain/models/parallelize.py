@@ -74,16 +74,17 @@ def _style(style: str, sequence_parallel: bool):
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-             block_plan: dict[str, str] = tp_plan.BLOCK_PLAN) -> nn.Module:
+             block_plan: dict[str, str] = tp_plan.BLOCK_PLAN, loss_parallel: bool = False) -> nn.Module:
     """Shard the projections over ``tp_mesh`` as `tp_plan` says (``block_plan`` for each of ``model.layers``);
-    norms stay replicated."""
+    norms stay replicated. The logits come out whole on every rank, or, with ``loss_parallel``, as a DTensor split
+    over the vocabulary, for a loss computed under `torch.distributed.tensor.parallel.loss_parallel` (never
+    gathered whole; its backward must run under it too)."""
     if tp_mesh.size() == 1:
         return model
     top = {name: _style(style, sequence_parallel) for name, style in tp_plan.TOP_PLAN.items()}
-    # The output projection gathers logits so the loss sees the full vocabulary on every rank.
-    top["output"] = ColwiseParallel(
-        input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Replicate()
-    )
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False) \
+        if loss_parallel else ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     # A pipeline stage lacks the parts other stages hold.
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
                                         if v is not None and getattr(model, k, None) is not None})
@@ -129,7 +130,8 @@ def apply_fsdp_stages(stages: PipelineStages, dp_mesh: DeviceMesh, mp_policy: Mi
 
 def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, stages_per_rank: int = 1, *,
                        mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False,
-                       split: tuple[tuple[int, int], ...] | None = None) -> PipelineStages:
+                       split: tuple[tuple[int, int], ...] | None = None, loss_parallel: bool = False
+                       ) -> PipelineStages:
     """Split ``model`` for the pp coordinate of this rank in ``mesh`` (by ``split``, else balanced by the zoo's
     cost), then TP and FSDP2 on the stage's ``(dp_replicate, dp_shard, tp)`` sub-mesh, as without pp."""
     n_stages = pcfg.pp * stages_per_rank
@@ -139,7 +141,7 @@ def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig,
     coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
     stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
     tp_mesh, dp_mesh = dense_meshes(mesh, pcfg)
-    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
+    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     apply_fsdp_stages(stages, dp_mesh, mp_policy)
     return stages
 
@@ -151,15 +153,17 @@ def parallelize_model(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> Transformer:
     """TP then FSDP on existing meshes (also meshes made by Lightning's ModelParallelStrategy)."""
-    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel)
+    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     return apply_fsdp(model, dp_mesh, mp_policy=mp_policy)
 
 
 def parallelize_llama(
     module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *,
     mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False, stages_per_rank: int = 1,
+    loss_parallel: bool = False,
 ) -> nn.Module:
     """The zoo's parallelize_fn: TP then FSDP on every dynatrain `Transformer` in ``module`` (``module`` itself
     included) for the layout ``pcfg`` on ``mesh``; with pp, each first split into this rank's stages."""
@@ -173,10 +177,10 @@ def parallelize_llama(
     for transformer in found:
         if pcfg.pp > 1:
             parallelize_stages(transformer, mesh, pcfg, stages_per_rank, mp_policy=mp_policy,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         else:
             parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     return module
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+from contextlib import nullcontext
 import warnings
 from pathlib import Path
 
@@ -143,14 +144,16 @@ class ScriptedSwitches(pl.Callback):
             loss = model.training_step(batch, 0)  # the oracle is a copy of the LightningModule: its own loss
             if isinstance(loss, dict):
                 loss = loss["loss"]
-            (loss / trainer.accumulate_grad_batches).backward()
+            with getattr(model, "loss_context", nullcontext)():  # a vocabulary-parallel loss runs backward in it
+                (loss / trainer.accumulate_grad_batches).backward()
         left -= 1
         self.shadow = (model, optimizer, left)
         if left:
             return
         if strategy.pipeline is not None:
             runner = PipelineRunner(pipeline_stages(model), strategy.device_mesh, strategy.pipeline_schedule,
-                                    model.pipeline_loss, strategy.root_device)
+                                    model.pipeline_loss, strategy.root_device,
+                                    getattr(model, "loss_context", nullcontext))
             inputs, target = (torch.cat(parts) for parts in zip(*self._shadow_batches))
             runner.train_step(inputs, target, len(self._shadow_batches))
             self._shadow_batches = []

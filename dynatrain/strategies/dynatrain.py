@@ -71,6 +71,9 @@ class DynaTrainStrategy(ModelParallelStrategy):
         parallelize_fn: ``fn(module, mesh, layout)`` that parallelises a LightningModule without
             `configure_model()` for a layout (torchtitan's style); by default the zoo's, for the dynatrain
             `Transformer`s the module holds. Also what `parallelize()` applies.
+        loss_parallel: with tp > 1 the default parallelisation leaves the logits split over the vocabulary, and a
+            module that computes its loss under `torch.distributed.tensor.parallel.loss_parallel` (the zoo's
+            `CausalLM` does) never gathers them whole; False gathers them on every rank.
         pipeline_schedule: with pp > 1, ``"1F1B"``, ``"GPipe"`` or ``"Interleaved1F1B"`` (several stages per rank).
         stages_per_rank: pipeline stages each pp rank runs (>= 2 with Interleaved1F1B, else 1).
     """
@@ -93,6 +96,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         parallelize_fn: Callable[[nn.Module, DeviceMesh, ParallelConfig], Any] | None = None,
         pipeline_schedule: str = "1F1B",
         stages_per_rank: int = 1,
+        loss_parallel: bool = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -108,7 +112,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.pipeline_schedule, self.stages_per_rank = pipeline_schedule, stages_per_rank
         self.parallelize_fn = parallelize_fn or partial(parallelize_llama, mp_policy=self.mp_policy,
                                                         sequence_parallel=sequence_parallel,
-                                                        stages_per_rank=stages_per_rank)
+                                                        stages_per_rank=stages_per_rank, loss_parallel=loss_parallel)
+        self.loss_parallel = loss_parallel
         self.pipeline: PipelineRunner | None = None  # the schedule of this rank's stages when pp > 1
         self.verify_switches = verify_switches
         if switch_budget_mb <= 0:
@@ -335,7 +340,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
             raise ValueError(f"layout {pcfg.short()} has pp={pcfg.pp}, but the module's parallelisation split no "
                              "model into stages: see docs/pipeline.md")
         self.pipeline = PipelineRunner(stages, self.device_mesh, self.pipeline_schedule, module.pipeline_loss,
-                                       self.root_device)
+                                       self.root_device, getattr(module, "loss_context", nullcontext))
 
     def training_step(self, *args, **kwargs):
         runner = self.pipeline

@@ -13,6 +13,7 @@ so every rank logs the same number. Validation runs the same stages forward only
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,8 @@ class PipelineRunner:
     """The schedule of one layout's stages on this rank, for a given number of micro-batches per step."""
 
     def __init__(self, stages: PipelineStages, mesh: DeviceMesh, schedule: str,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                 context: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.stages = stages
         self.group = mesh.get_group("pp")
         self.pp = mesh["pp"].size()
@@ -69,6 +71,7 @@ class PipelineRunner:
         self.last_rank = ranks[(stages.n_stages - 1) % self.pp]  # global rank of the last stage's process
         self.schedule_name = schedule
         self.loss_fn = loss_fn
+        self.context = context  # what the loss's forward and backward run under (loss parallelism, say)
         self.device = device
         self._train: dict[int, object] = {}
         self._eval = None
@@ -113,7 +116,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         sched = self._schedule(n_microbatches)
         args = (inputs,) if self.is_first else ()
-        sched.step(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
+        with self.context():
+            sched.step(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
         return self._shared_mean(losses), [loss.detach() for loss in losses]
 
     def evaluate(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -124,7 +128,8 @@ class PipelineRunner:
                 ScheduleGPipe(stages[0], 1, loss_fn=self.loss_fn)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
-        self._eval.eval(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
+        with self.context():
+            self._eval.eval(*args, target=target if self.is_last else None, losses=losses, return_outputs=False)
         return self._shared_mean(losses)
 
     def _shared_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
