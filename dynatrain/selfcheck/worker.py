@@ -27,7 +27,7 @@ from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import CausalLM
 from dynatrain.models.pipeline import pipeline_stages
-from dynatrain.strategies.pipeline import PipelineRunner
+from dynatrain.strategies.pipeline import PipelineRunner, stack_batches
 from dynatrain.selfcheck import faults, oracle
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -154,7 +154,7 @@ class ScriptedSwitches(pl.Callback):
             runner = PipelineRunner(pipeline_stages(model), strategy.device_mesh, strategy.pipeline_schedule,
                                     model.pipeline_loss, strategy.root_device,
                                     getattr(model, "loss_context", nullcontext))
-            inputs, target = (torch.cat(parts) for parts in zip(*self._shadow_batches))
+            inputs, target = stack_batches(self._shadow_batches)
             runner.train_step(inputs, target, len(self._shadow_batches))
             self._shadow_batches = []
         optimizer.step()

@@ -93,18 +93,16 @@ def sharding_of(t: torch.Tensor, root: DeviceMesh) -> Sharding:
     """How ``t`` lies on the root mesh: its DTensor placements, or whole everywhere for a plain tensor; with pp,
     held by this process's stage only, unless its mesh spans the stages."""
     shape = tuple(root.mesh.shape)
+    mesh_runs = _mesh_runs(t.device_mesh, root) if isinstance(t, DTensor) else []
     placements, runs = [], []
-    if isinstance(t, DTensor):
-        for p, run in zip(t.placements, _mesh_runs(t.device_mesh, root)):
-            q = _placement(p)
-            if run is not None and not isinstance(q, Replicate):
-                placements.append(q)
-                runs.append(run)
+    for p, run in zip(t.placements if mesh_runs else (), mesh_runs):
+        q = _placement(p)
+        if run is not None and not isinstance(q, Replicate):
+            placements.append(q)
+            runs.append(run)
     sh = Sharding(shape, tuple(placements), tuple(runs))
     stage = _stage_coordinate(root)
-    spans_stages = isinstance(t, DTensor) and stage is not None and \
-        any(stage[0] in run for run in (r for r in _mesh_runs(t.device_mesh, root) if r is not None))
-    if stage is None or spans_stages:
+    if stage is None or any(run is not None and stage[0] in run for run in mesh_runs):
         return sh
     return sh.held_along(stage[0], (stage[1],))
 

@@ -31,7 +31,13 @@ from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticMan
 from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
 from dynatrain.models.pipeline import pipeline_stages
 from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
-from dynatrain.strategies.pipeline import PipelineRunner, check_pipeline_module, check_schedule, pipeline_batch
+from dynatrain.strategies.pipeline import (
+    PipelineRunner,
+    check_pipeline_module,
+    check_schedule,
+    pipeline_batch,
+    stack_batches,
+)
 from dynatrain.strategies.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -354,7 +360,7 @@ class DynaTrainStrategy(ModelParallelStrategy):
         module, trainer = self.lightning_module, self.lightning_module.trainer
         for optimizer in self.optimizers:
             module.optimizer_zero_grad(trainer.current_epoch, args[1] if len(args) > 1 else 0, optimizer)
-        inputs, target = (torch.cat(parts) for parts in zip(*(pipeline_batch(b) for b in batches)))
+        inputs, target = stack_batches(batches)
         loss, losses = runner.train_step(inputs, target, len(batches))
         hook = getattr(module, "on_pipeline_losses", None)
         if hook is not None:

@@ -41,6 +41,12 @@ def check_pipeline_module(module) -> None:
         )
 
 
+def stack_batches(batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, target) of a step's micro-batches stacked along dim 0, the schedule's whole batch."""
+    inputs, target = zip(*(pipeline_batch(b) for b in batches))
+    return torch.cat(inputs), torch.cat(target)
+
+
 def pipeline_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, target) of a micro-batch: the first stage takes the inputs, the last stage's loss the target."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):

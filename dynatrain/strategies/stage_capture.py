@@ -17,7 +17,7 @@ def _cpu(entries: dict) -> dict:
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
 
 
-def merge_stages(local: Captured, order: dict[str, list[str]], group=None) -> tuple[Captured, dict[str, list[str]]]:
+def merge_stages(local: Captured, order: dict[str, list[str]], group=None) -> Captured:
     """Every stage's specs, shardings (a state several stages hold is held by all of them), owners, scalars and
     optimizer entry order; this process's sources. Every rank of ``group`` calls it."""
     row = (local.specs, local.shardings, local.param_of, {p: _cpu(e) for p, e in local.scalars.items()}, order)
@@ -43,5 +43,4 @@ def merge_stages(local: Captured, order: dict[str, list[str]], group=None) -> tu
             orders.setdefault(p, keys)
     for p, entries in local.scalars.items():
         scalars[p] = entries  # this process's own, on its device
-    merged = Captured(tuple(specs), tuple(shardings), param_of, local.sources, scalars)
-    return merged, orders
+    return Captured(tuple(specs), tuple(shardings), param_of, local.sources, scalars, orders)

@@ -413,11 +413,12 @@ class Switcher:
         captured = capture(module, optimizer, strategy.device_mesh)
         if strategy.parallel_config is None or strategy.parallel_config.pp == 1:
             return captured
+        return merge_stages(captured, self._entry_order(optimizer))
+
+    def _entry_order(self, optimizer) -> dict[str, list[str]]:
+        """Per parameter name, its optimizer entries' keys in the order the optimizer created them."""
         names = self._param_names
-        order = {names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer is not None else {}
-        captured, order = merge_stages(captured, order)
-        captured.order = order
-        return captured
+        return {names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer is not None else {}
 
     def _agree_on(self, captured) -> None:
         strategy = self.strategy
@@ -489,8 +490,7 @@ class Switcher:
         """What survives a switch besides the routed shards: scalars, hyper-parameters, schedules."""
         return {
             "param_of": captured.param_of, "scalars": captured.scalars,
-            "order": captured.order if captured.order is not None else
-            {self._param_names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer else {},
+            "order": captured.order if captured.order is not None else self._entry_order(optimizer),
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             if optimizer else [],
             "schedulers": [cfg.scheduler.state_dict() for cfg in self.strategy.lr_scheduler_configs],
