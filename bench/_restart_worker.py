@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 import dynatrain  # noqa: E402
 import dynatrain.elastic.world as world_mod  # noqa: E402
-import dynatrain.strategies.switcher as switcher_mod  # noqa: E402
+import dynatrain.engine as engine_mod  # noqa: E402
 from dynatrain.data import LlamaDataModule  # noqa: E402
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
 from dynatrain.launcher import finish_rank  # noqa: E402
@@ -44,7 +44,7 @@ warnings.filterwarnings("ignore")
 EVENTS: list[dict] = []
 _orig_join = world_mod.WorldGeneration.join.__func__
 _orig_leave = world_mod.WorldGeneration.leave
-_orig_run_transition = switcher_mod.run_transition
+_orig_run_transition = engine_mod.run_transition
 
 
 def _timed_join(cls, store, generation, member_id, members, *args, **kwargs):
@@ -70,7 +70,7 @@ def _timed_run_transition(plan, rank, src, **kwargs):
 
 world_mod.WorldGeneration.join = classmethod(_timed_join)
 world_mod.WorldGeneration.leave = _timed_leave
-switcher_mod.run_transition = _timed_run_transition
+engine_mod.run_transition = _timed_run_transition
 
 
 # ---------------------------------------------------------------------------------------------- clocks

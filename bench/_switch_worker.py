@@ -2,7 +2,7 @@
 point-to-point bandwidth of the same pairs and against a naive all-gather-and-slice baseline.
 
 Writes this rank's JSON to ``--out``. Nothing here changes dynatrain: the engine's `TransitionStats` (which the
-`SwitchReport` does not carry) are captured by wrapping `run_transition` where the switcher looks it up.
+`SwitchReport` does not carry) are captured by wrapping `run_transition` where the switches look it up (`dynatrain.engine`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 import dynatrain
 from dynatrain.launcher import finish_rank
-import dynatrain.strategies.switcher as switcher_mod
+import dynatrain.engine as engine_mod
 from dynatrain.data import LlamaDataModule
-from dynatrain.engine.transition import torch_dtype
+from dynatrain.engine import torch_dtype
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import plan_switch
@@ -83,7 +83,7 @@ def rss_peak() -> int:
 
 # ---------------------------------------------------------------------------------------------- engine capture
 CAPTURE: dict = {}
-_orig_run_transition = switcher_mod.run_transition
+_orig_run_transition = engine_mod.run_transition
 
 
 def _captured_run_transition(plan, rank, src, **kw):
@@ -99,7 +99,7 @@ def _captured_run_transition(plan, rank, src, **kw):
     return dst, stats
 
 
-switcher_mod.run_transition = _captured_run_transition
+engine_mod.run_transition = _captured_run_transition
 
 
 # ---------------------------------------------------------------------------------------------- raw bandwidth

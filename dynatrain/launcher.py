@@ -56,7 +56,9 @@ def launch_local(
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
+        # Every process is polled each round: `any` over poll() would stop at the first live rank and never notice
+        # a later rank that already died, so its peers would wait for the full timeout.
+        while [p.poll() for p in procs].count(None):
             if time.monotonic() > deadline:
                 raise LaunchError(f"{name} on {nprocs} ranks timed out after {timeout:.0f}s\n" + _tails(logs))
             if any(p.returncode not in (None, 0) for r, p in enumerate(procs) if r not in may_die):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.configs import ModelConfig
+from dynatrain.models.parallelize import apply_block_options
 from dynatrain.models.moe_configs import MoEConfig
 from dynatrain.models.specs import get_zoo_config
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -42,7 +44,21 @@ def parallelize_for(model: nn.Module, mesh, pcfg: ParallelConfig, strategy) -> N
     if pcfg.pp > 1:
         raise ValueError(f"pipeline parallelism is not supported for mixture-of-experts models yet (their router "
                          f"losses and token counts span every stage): use pp=1, not {pcfg.short()}")
+    policy = ActivationCheckpointing.parse(getattr(strategy, "activation_checkpointing", None))
+    if policy.per_op and pcfg.ep > 1:
+        raise ValueError(f"activation_checkpointing='selective:op' does not work with ep > 1 ({pcfg.short()}): the "
+                         "routed experts' own FSDP runs other ops when the block is recomputed than in its forward; "
+                         "use 'full' or 'selective:N' with expert parallelism")
     parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None))
+    # After FSDP here, which is the same as before it: neither wraps a module, both replace the block's forward.
+    backend = getattr(strategy, "compile_backend", None)
+    apply_block_options(model, policy, backend)
+    if backend is not None:
+        for layer in model.layers.values():
+            # The routed experts run eagerly between the compiled parts: torch traces `_grouped_mm` for bf16 inputs
+            # only, and their token counts are data-dependent.
+            experts = layer.moe.experts
+            experts.forward = torch.compiler.disable(experts.forward)
 
 
 # ---- the routers' load ------------------------------------------------------------------------------------

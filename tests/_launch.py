@@ -34,21 +34,6 @@ def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, jo
         raise AssertionError(str(e)) from None
 
 
-def retry_on_lost_peer(run, attempts: int = 2):
-    """Run a multi-process launch again when a peer was lost to a transport timeout (seen rarely on a loaded
-    2-core machine); any other failure, or the same one twice, fails the test."""
-    import warnings
-
-    for attempt in range(attempts):
-        try:
-            return run()
-        except AssertionError as e:
-            lost = "Timed out waiting" in str(e) or "Connection closed by peer" in str(e)
-            if not lost or attempt == attempts - 1:
-                raise
-            warnings.warn(f"lost a peer to a transport timeout, running once more: {str(e)[:300]}", stacklevel=2)
-
-
 def wait_for(predicate, timeout: float = 10.0):
     """Poll ``predicate`` until it returns something truthy (returned), or fail the test after ``timeout``."""
     import time

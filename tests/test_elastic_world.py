@@ -13,7 +13,7 @@ import pytest
 
 from dynatrain.elastic import store as store_mod
 from dynatrain.elastic.world import (
-    RegistrationError, Transition, plan_union_then_target, register, registered, set_job_info,
+    RegistrationError, WorldChange, plan_union_then_target, register, registered, set_job_info,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def test_union_then_target_plans():
     assert plan_union_then_target(4, ["a", "b"], ["b", "c"], order=["c", "b"]).steps == [("a", "b", "c"), ("c", "b")]
     assert plan_union_then_target(4, ["a", "b"], ["a", "b"], order=["b", "a"]).steps == [("b", "a")]
     t = plan_union_then_target(4, ["a", "b"], ["b", "c"], order=["c", "b"])
-    assert Transition.from_json(t.to_json()) == t
+    assert WorldChange.from_json(t.to_json()) == t
     with pytest.raises(ValueError, match="not an arrangement of the new members"):
         plan_union_then_target(4, ["a"], ["a", "b"], order=["a", "c"])
 
@@ -184,7 +184,7 @@ def test_a_new_generation_gets_tensors_on_its_own_mesh(tmp_path):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dynatrain.strategies.elastic import forget_old_meshes
+    from dynatrain.strategies.lightning_world import forget_old_meshes
 
     def generation(i: int, forget: bool) -> bool:
         if forget:

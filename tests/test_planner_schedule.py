@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,73 @@ def test_plans_built_in_separate_processes_are_equal():
     here = {}
     exec(_FINGERPRINT.replace("print(plan.fingerprint())", "here['fp'] = plan.fingerprint()"), {"here": here})
     assert outs[0] == outs[1] == here["fp"] and len(here["fp"]) == 64
+
+
+def _reference_rounds(pair_bytes: dict, budget: int) -> tuple:
+    """The greedy of `schedule_pairs` written pair by pair, as it was before it ran on arrays."""
+    need = max((size for segs in pair_bytes.values() for size, b in segs if b), default=1)
+    pairs = [p for p in sorted(pair_bytes) if sum(b for _, b in pair_bytes[p])]
+    ends = []
+    for p in pairs:
+        pos, segs = 0, []
+        for size, b in pair_bytes[p]:
+            pos += b
+            segs.append((pos, size))
+        ends.append(segs)
+
+    def snap(segs, x):
+        start = 0
+        for end, size in segs:
+            if x < end:
+                return start + (x - start) // size * size
+            start = end
+        return start
+
+    total = [segs[-1][0] for segs in ends]
+    load: dict[int, int] = {}
+    for (s, d), t in zip(pairs, total):
+        load[s] = load.get(s, 0) + t
+        load[d] = load.get(d, 0) + t
+    offset, active, rounds = [0] * len(pairs), list(range(len(pairs))), []
+    while active:
+        active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]), (offset[i] << 10) // total[i], pairs[i]))
+        room: dict[int, int] = {}
+        degree: dict[int, int] = {}
+        for i in active:
+            for r in pairs[i]:
+                degree[r] = degree.get(r, 0) + 1
+        start = {i: offset[i] for i in active}
+        for fair_pass in (True, False):
+            for i in active:
+                s, d = pairs[i]
+                want = min(room.get(s, budget), room.get(d, budget), total[i] - offset[i])
+                if fair_pass:
+                    want = min(want, max(need, budget // max(degree[s], degree[d])))
+                if want <= 0:
+                    continue
+                n = snap(ends[i], offset[i] + want) - offset[i]
+                if n <= 0:
+                    continue
+                offset[i] += n
+                room[s] = room.get(s, budget) - n
+                room[d] = room.get(d, budget) - n
+                load[s] -= n
+                load[d] -= n
+        rounds.append(tuple(sorted((*pairs[i], start[i], offset[i] - start[i]) for i in active if offset[i] > start[i])))
+        active = [i for i in active if offset[i] < total[i]]
+    return tuple(rounds)
+
+
+def test_schedule_pairs_equals_the_pair_by_pair_greedy_on_random_cases():
+    rng = random.Random(11)
+    for case in range(300):
+        ranks = rng.randint(2, 9)
+        pair_bytes = {}
+        for _ in range(rng.randint(1, 25)):
+            s, d = rng.sample(range(ranks), 2)
+            sizes = sorted(rng.sample([8, 4, 2, 1], rng.randint(1, 3)), reverse=True)
+            pair_bytes[(s, d)] = tuple((size, size * rng.randint(0, 40)) for size in sizes)
+        if not any(b for segs in pair_bytes.values() for _, b in segs):
+            continue
+        budget = rng.choice([8, 9, 13, 32, 64, 100, 1000]) * rng.randint(1, 3)
+        assert schedule_pairs(pair_bytes, budget) == _reference_rounds(pair_bytes, budget), case

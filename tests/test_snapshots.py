@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _launch import launch, retry_on_lost_peer
+from _launch import launch
 
 from dynatrain.callbacks import Snapshot
 from dynatrain.callbacks.snapshot import MARKER, latest_snapshot, restore_snapshot
@@ -88,9 +88,9 @@ def test_async_snapshots_survive_a_failed_write_guard_a_switch_and_restore_bitwi
     # started, whose writes are held until the switch calls its guards. After fit: step 4 (saved on dp_shard=2)
     # is restored into tp=2, and step 6 (saved on tp=2) into dp_shard=2.
     snaps = tmp_path / "snaps"
-    results = retry_on_lost_peer(lambda: launch("snapshot.py", 2, [
+    results = launch("snapshot.py", 2, [
         "--dir", str(snaps), "--switch", "3:tp=2", "--settle", "2", "--fail-write", "2:1",
-        "--reference", "4", "--restore", "4:tp=2;6:dp_shard=2"], tmp_path))
+        "--reference", "4", "--restore", "4:tp=2;6:dp_shard=2"], tmp_path)
     for res in results:
         history = res["history"]
         # Both ranks agree at the next boundary, without waiting, that step 2 was not committed (rank 0's own

@@ -6,8 +6,8 @@ adds the decision behind each switch (signal, source, reason). The report holds 
 and timings; rank 0's are logged. A switch that changes ep (moves routed experts) also records the expert load it
 was made under (``expert_imbalance``: busiest expert's tokens / mean), when the module reports one.
 
-`format_switch_table` and `plot_loss_with_switches` summarise a finished run (``switches.jsonl`` and Lightning's
-CSV ``metrics.csv``).
+`format_switch_table` and `plot_loss_with_switches` summarise a finished run (``switches.jsonl``, Lightning's CSV
+``metrics.csv`` and, when `ReferenceLoss` ran, the loss of the same run without switches).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import WandbLogger
 from dynatrain.vps.parallel_config import ParallelConfig
 
 JSONL_NAME = "switches.jsonl"
+REFERENCE_NAME = "reference_loss.csv"  # written by `ReferenceLoss`, drawn by `plot_loss_with_switches`
 TABLE_KEY = "switch/table"
 TABLE_COLUMNS = ("step", "old_layout", "new_layout", "old_world_size", "world_size", "stall_s", "bytes_moved",
                  "bytes_moved_identity", "peak_bytes", "verified", "expert_imbalance", "source", "reason", "phases")
@@ -107,7 +108,8 @@ def switch_record(report: Any, decision: Mapping | None = None) -> dict:
 def switch_metrics(record: Mapping) -> dict[str, float]:
     """The ``switch/...`` metrics of one record; fields the report left empty are left out, not logged as 0."""
     out: dict[str, float] = {}
-    for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size", "expert_imbalance"):
+    for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size", "expert_imbalance",
+                "compile_s"):
         if record.get(key) is not None:
             out[f"switch/{key}"] = float(record[key])
     for phase, seconds in (record.get("phases") or {}).items():
@@ -330,29 +332,85 @@ def read_loss_curve(metrics_csv: str | os.PathLike, key: str = "train/loss") -> 
     return steps, values
 
 
-def plot_loss_with_switches(metrics_csv: str | os.PathLike, switches_jsonl: str | os.PathLike | None,
-                            out_png: str | os.PathLike, key: str = "train/loss") -> Path:
-    """Training loss against step, a dashed line at every switch labelled with the layout it switched to."""
-    # The figure is drawn on an Agg canvas directly: no pyplot, so the caller's matplotlib backend is untouched.
+def world_size_series(switches: list[Mapping], last_step: int, world_size: int | None = None
+                      ) -> tuple[list[int], list[int]]:
+    """(steps, world sizes) as a step function from step 0 to ``last_step``: the world before the first switch,
+    then each switch's from its step on. Without switches, ``world_size`` throughout (empty when it is None)."""
+    first = (switches[0].get("old_world_size") if switches else None) or world_size
+    if first is None:
+        return [], []
+    steps, sizes = [0], [int(first)]
+    for record in switches:
+        if record.get("world_size") is not None:
+            steps.append(int(record["step"]))
+            sizes.append(int(record["world_size"]))
+    steps.append(max(last_step, steps[-1]))
+    sizes.append(sizes[-1])
+    return steps, sizes
+
+
+def loss_switch_figure(steps: list[int], losses: list[float], switches: list[Mapping],
+                       reference: tuple[list[int], list[float]] | None = None, world_size: int | None = None,
+                       key: str = "train/loss"):
+    """Three panels over the optimizer step: the run's loss and the reference's (the same run without switches),
+    the world size, and each switch's stall; a dashed line at every switch through all three."""
+    # Drawn on an Agg canvas directly: no pyplot, so the caller's matplotlib backend is untouched.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    fig = Figure(figsize=(9, 7), dpi=110)
+    FigureCanvasAgg(fig)
+    ax_loss, ax_world, ax_stall = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1.2, 1.2]})
+    ax_loss.plot(steps, losses, color="tab:blue", linewidth=1.6, label=f"elastic run ({key})")
+    title = "training loss"
+    if reference is not None and reference[0]:
+        ax_loss.plot(*reference, color="black", linestyle=":", linewidth=1.4, label="same run without switches")
+        ref = dict(zip(*reference))
+        gaps = [abs(v - ref[s]) for s, v in zip(steps, losses) if s in ref]
+        if gaps:
+            title += f"; largest difference from the run without switches {max(gaps):.2g}"
+    last = max([*steps, *(reference[0] if reference else []), *(int(r["step"]) for r in switches)], default=0)
+    w_steps, w_sizes = world_size_series(switches, last, world_size)
+    ax_world.step(w_steps, w_sizes, where="post", color="tab:green", linewidth=1.6, label="world size")
+    stalls = [(int(r["step"]), float(r.get("stall_s") or 0.0)) for r in switches]
+    if stalls:
+        bars = ax_stall.bar([s for s, _ in stalls], [t for _, t in stalls], width=max(1.0, last / 80),
+                            color="tab:red", label="stall")
+        ax_stall.bar_label(bars, labels=[f"{t:.2f}s" for _, t in stalls], fontsize=8)
+        ax_stall.set_ylim(0, max(t for _, t in stalls) * 1.35 or 1.0)
+    else:
+        ax_stall.text(0.5, 0.5, "no layout switches", transform=ax_stall.transAxes, ha="center", va="center")
+    for record in switches:
+        for ax in (ax_loss, ax_world, ax_stall):
+            ax.axvline(record["step"], color="tab:red", linestyle="--", linewidth=0.8, alpha=0.6)
+        ax_world.annotate(str(record.get("new_layout")), xy=(record["step"], 1.0), xycoords=("data", "axes fraction"),
+                          xytext=(3, -3), textcoords="offset points", va="top", ha="left", fontsize=7,
+                          color="tab:red")
+    ax_loss.set(ylabel="loss", title=title)
+    ax_loss.legend(loc="upper right", fontsize=8)
+    ax_world.set(ylabel="world size")
+    ax_world.set_ylim(0, max(w_sizes, default=1) + 1)
+    ax_world.yaxis.get_major_locator().set_params(integer=True)
+    ax_stall.set(ylabel="stall (s)", xlabel="optimizer step")
+    for ax in (ax_loss, ax_world, ax_stall):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss_with_switches(metrics_csv: str | os.PathLike, switches_jsonl: str | os.PathLike | None,
+                            out_png: str | os.PathLike, key: str = "train/loss",
+                            reference_csv: str | os.PathLike | None = None, world_size: int | None = None) -> Path:
+    """`loss_switch_figure` of a finished run, saved as a PNG: the loss from Lightning's CSV ``metrics.csv``, the
+    switches from ``switches.jsonl``, and the reference from ``reference_csv`` (default: `ReferenceLoss`'s
+    ``reference_loss.csv`` next to ``switches.jsonl``, drawn when it is there). ``world_size`` is the world of a
+    run without switches."""
     steps, values = read_loss_curve(metrics_csv, key)
     switches = read_switches(switches_jsonl) if switches_jsonl and os.path.exists(switches_jsonl) else []
-    fig = Figure(figsize=(9, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(steps, values, color="tab:blue", linewidth=1.4, label=key)
-    for record in switches:
-        ax.axvline(record["step"], color="tab:red", linestyle="--", linewidth=1)
-        ax.annotate(f"{record['new_layout']} ({record['world_size']})", xy=(record["step"], 1.0),
-                    xycoords=("data", "axes fraction"), xytext=(3, -4), textcoords="offset points",
-                    rotation=90, va="top", ha="left", fontsize=8, color="tab:red")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(key)
-    ax.set_title("training loss; dashed: layout switches")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    if reference_csv is None and switches_jsonl:
+        reference_csv = Path(switches_jsonl).parent / REFERENCE_NAME
+    reference = read_loss_curve(reference_csv, "loss") if reference_csv and os.path.exists(reference_csv) else None
+    fig = loss_switch_figure(steps, values, switches, reference, world_size, key)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)

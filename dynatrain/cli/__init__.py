@@ -6,24 +6,24 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
+OWN_COMMANDS = ("join", "plan", "scale", "selfcheck")  # each a module of dynatrain.cli with add_parser(subparsers)
 
 
-def _own_parser() -> argparse.ArgumentParser:
+def _own_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of dynatrain's own subcommands. Given a known ``command``, only that subcommand's module is
+    imported: `join` and `selfcheck` pull in torch (seconds), which `dynatrain plan` must not pay for."""
     parser = argparse.ArgumentParser(
         prog="dynatrain",
         description="Elastic LLM training on PyTorch Lightning. "
         f"Training: dynatrain {{{','.join(LIGHTNING_COMMANDS)}}} --config RECIPE.yaml (see `dynatrain fit --help`).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from dynatrain.cli import join, plan, scale, selfcheck
-
-    join.add_parser(sub)
-    plan.add_parser(sub)
-    scale.add_parser(sub)
-    selfcheck.add_parser(sub)
+    for name in (command,) if command in OWN_COMMANDS else OWN_COMMANDS:
+        importlib.import_module(f"dynatrain.cli.{name}").add_parser(sub)
     return parser
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
         argv = take_verbose_flag(argv)
     if argv and argv[0] in LIGHTNING_COMMANDS and any(a.startswith("--elastic.") for a in argv):
-        from dynatrain.cli.elastic import ElasticLauncher, split_elastic_args
+        from dynatrain.cli.job_launcher import ElasticLauncher, split_elastic_args
 
         try:
             opts, rest = split_elastic_args(argv)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         from dynatrain.cli.train import run_lightning_cli
 
         return run_lightning_cli(argv)
-    parser = _own_parser()
+    parser = _own_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

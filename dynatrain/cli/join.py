@@ -1,8 +1,8 @@
 """`dynatrain join`: add this process to a running elastic job.
 
-It reads the job's command line from the job's store, checks it builds the same model with the same code
-(registration refuses anything else), gets ready while the job trains, and becomes a member at the step boundary
-where the job scales out. Endpoint and token come from the flags or from ``$DYNATRAIN_ENDPOINT`` and
+It runs the job's command line (given after ``--``, or as the job's launcher stored it), checks it builds the
+same model with the same code (registration refuses anything else), gets ready while the job trains, and becomes a
+member at the step boundary where the job scales out. Endpoint and token come from the flags or from ``$DYNATRAIN_ENDPOINT`` and
 ``$DYNATRAIN_TOKEN``, as a torchrun- or SLURM-launched process gets them.
 """
 
@@ -22,12 +22,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV), help="HOST:PORT of the job's store")
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help="the job's token")
     p.add_argument("--token-file", help="a file holding the job's token (the launcher writes one)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="after --: the members' command line (e.g. -- fit --config recipe.yaml); optional for a "
+                        "job that `dynatrain fit --elastic.*` started, which stores its own")
     p.set_defaults(run=run)
     return p
 
 
 def run(args) -> int:
-    from dynatrain.cli.elastic import JOB_ARGV_KEY
+    from dynatrain.cli.job_launcher import JOB_ARGV_KEY
     from dynatrain.cli.train import run_lightning_cli
     from dynatrain.elastic.store import connect
 
@@ -35,7 +38,14 @@ def run(args) -> int:
     if not args.endpoint or not token:
         raise SystemExit(f"dynatrain join: give --endpoint and --token (or ${ENDPOINT_ENV} and ${TOKEN_ENV})")
     store = connect(args.endpoint, token)
-    argv = json.loads(store.get(JOB_ARGV_KEY).decode())
+    argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not argv:
+        # store.get would block until its timeout on a job that never stores its command line (torchrun members).
+        if not store.check([JOB_ARGV_KEY]):
+            raise SystemExit(f"dynatrain join: the job at {args.endpoint} did not store its command line (only "
+                             "`dynatrain fit --elastic.*` does): give the members' command after --, e.g. "
+                             "dynatrain join --endpoint HOST:PORT --token-file FILE -- fit --config recipe.yaml")
+        argv = json.loads(store.get(JOB_ARGV_KEY).decode())
     os.environ.update({ENDPOINT_ENV: args.endpoint, TOKEN_ENV: token, JOIN_ENV: "1"})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)  # the job gives this process its rank when it admits it

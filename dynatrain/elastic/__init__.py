@@ -8,9 +8,9 @@ import importlib
 
 _STORE = ("StoreProcess", "connect", "request_shutdown", "start_store")
 _WORLD = (
-    "RegistrationError", "Transition", "WorldGeneration", "announce", "await_admission", "config_hash", "deregister",
-    "join", "pending_joiners", "plan_union_then_target", "register", "registered", "run_transition", "set_job_info",
-    "union_then_target",
+    "RegistrationError", "StateMover", "WorldChange", "WorldGeneration", "announce", "await_admission", "config_hash",
+    "deregister", "join", "pending_joiners", "plan_union_then_target", "register", "registered", "run_world_change",
+    "set_job_info", "union_then_target",
 )
 __all__ = sorted(_STORE + _WORLD)
 

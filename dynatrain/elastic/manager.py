@@ -7,7 +7,7 @@ and the members that stay keep the lowest ranks (rank 0 changes only when rank 0
 A joiner registers (the job refuses another model or code version), gets ready, and waits; current members see
 it through :meth:`ready_joiners` and admit it in a world change. Everything a joiner needs to run the same
 switch as the current members (the old layout, the plan's inputs and the training-loop state) is written to
-the store under ``elastic/switch/<generation>`` before the transition is announced.
+the store under ``elastic/switch/<generation>`` before the world change is announced.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from dynatrain.elastic.store import connect
 from dynatrain.elastic.world import (
-    Transition,
+    WorldChange,
     WorldGeneration,
     await_admission,
     deregister,
@@ -194,7 +194,7 @@ class ElasticManager:
 
     # ---- a world change -----------------------------------------------------------------------------------
     def publish(self, generation: int, payload: dict) -> None:
-        """What joiners need to run the switch; written before the transition is announced."""
+        """What joiners need to run the switch; written before the world change is announced."""
         self.store.set(f"elastic/switch/{generation}", json.dumps(payload))
 
     def change_world(self, new_members: list[str], transfer, order: list[str] | None = None
@@ -248,8 +248,8 @@ class ElasticManager:
                                           self.config.timeout)
         return self.world
 
-    def await_admission(self, on_wait: Callable[[float], None] | None = None) -> tuple[Transition, dict]:
-        """A joiner: block until admitted (or dropped); return the transition and the switch payload.
+    def await_admission(self, on_wait: Callable[[float], None] | None = None) -> tuple[WorldChange, dict]:
+        """A joiner: block until admitted (or dropped); return the world change and the switch payload.
         ``on_wait(monotonic time)`` runs between polls (a joiner prepares its plan there)."""
         deadline = time.monotonic() + self.config.join_timeout
         admit = f"admit/{self.member_id}"
@@ -268,13 +268,13 @@ class ElasticManager:
         payload = json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
         return t, payload
 
-    def join_world(self, t: Transition, transfer) -> WorldGeneration:
-        from dynatrain.elastic.world import run_transition
+    def join_world(self, t: WorldChange, transfer) -> WorldGeneration:
+        from dynatrain.elastic.world import run_world_change
 
-        world = run_transition(t, store=self.store, member_id=self.member_id, transfer=transfer,
-                               timeout=self.config.timeout)
+        world = run_world_change(t, store=self.store, member_id=self.member_id, transfer=transfer,
+                                 timeout=self.config.timeout)
         if world is None:
-            raise RuntimeError(f"joiner {self.member_id} was admitted to a transition that does not keep it")
+            raise RuntimeError(f"joiner {self.member_id} was admitted to a world change that does not keep it")
         self.world = world
         return world
 

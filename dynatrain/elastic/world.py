@@ -1,15 +1,17 @@
 """World generations: each membership of the job is a numbered generation with its own process group.
 
 A member is a stable process id (a string chosen by the process, unique for its lifetime), not a rank: a
-generation's ranks are the indices of its member list (sorted, unless a transition gives the target an order),
-so ranks are renumbered at every change and any member, rank 0 included, may leave. Every generation keys its rendezvous under ``gen{g}/`` of the job's long-lived
-store (:mod:`dynatrain.elastic.store`): re-forming a group on a used port or under used keys hangs or fails on
-torch 2.13, and a fresh prefix on a store that never moves avoids both. Generation numbers are never re-used;
-a failed attempt at ``g`` is retried as ``g + 1``.
+generation's ranks are the indices of its member list (sorted, unless a world change gives the target an order),
+so ranks are renumbered at every change and any member, rank 0 included, may leave. Every generation keys its
+rendezvous under ``gen{g}/`` of the job's long-lived store (:mod:`dynatrain.elastic.store`): re-forming a group
+on a used port or under used keys hangs or fails on torch 2.13, and a fresh prefix on a store that never moves
+avoids both. Generation numbers are never re-used; a failed attempt at ``g`` is retried as ``g + 1``.
 
 Moving state between an old and a new member set needs a group that contains both. :func:`union_then_target`
 forms generation ``g + 1`` over the union of the two sets, runs the transfer on it, then forms ``g + 2`` over the
-target set alone; members outside the target leave. Steps that would repeat the current set are skipped.
+target set alone; members outside the target leave. Steps that would repeat the current set are skipped. A
+:class:`WorldChange` is that plan; current members and admitted joiners take part in it with
+:func:`run_world_change`.
 """
 
 from __future__ import annotations
@@ -216,12 +218,12 @@ def pending_joiners(store, members: Iterable[str]) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Transitions: old members and joiners run the same plan, read from the store by the joiners.
+# World changes: old members and joiners run the same plan, read from the store by the joiners.
 
 
 @dataclass(frozen=True)
-class Transition:
-    generation: int  # the first generation the transition forms
+class WorldChange:
+    generation: int  # the first generation the change forms
     old: tuple[str, ...]
     new: tuple[str, ...]
     order: tuple[str, ...] | None = None  # the target generation's rank order (default: sorted)
@@ -246,66 +248,68 @@ class Transition:
         return _dumps({"generation": self.generation, "old": self.old, "new": self.new, "order": self.order})
 
     @classmethod
-    def from_json(cls, text: str) -> "Transition":
+    def from_json(cls, text: str) -> "WorldChange":
         d = json.loads(text)
         order = _ordered(d["order"]) if d.get("order") else None
         return cls(d["generation"], _members(d["old"]), _members(d["new"]), order)
 
 
 def plan_union_then_target(generation: int, old: Iterable[str], new: Iterable[str],
-                           order: Iterable[str] | None = None) -> Transition:
-    """The transition from the current generation ``generation`` with ``old`` to ``new`` (ranked by ``order``)."""
+                           order: Iterable[str] | None = None) -> WorldChange:
+    """The world change from the current generation ``generation`` with ``old`` to ``new`` (ranked by ``order``)."""
     new = _members(new)
     if order is not None:
         order = _ordered(order)
         if set(order) != set(new):
             raise ValueError(f"order {list(order)} is not an arrangement of the new members {list(new)}")
-    return Transition(generation + 1, _members(old), new, order)
+    return WorldChange(generation + 1, _members(old), new, order)
 
 
-def announce(store, t: Transition) -> None:
+def announce(store, t: WorldChange) -> None:
     store.set(f"transition/{t.generation}", t.to_json())
     for m in t.union:
         if m not in t.old:
             store.set(f"admit/{m}", str(t.generation))
 
 
-def await_admission(store, member_id: str, timeout: float) -> Transition:
-    """Block a joiner until current members admit it; return the transition it takes part in."""
+def await_admission(store, member_id: str, timeout: float) -> WorldChange:
+    """Block a joiner until current members admit it; return the world change it takes part in."""
     try:
         store.wait([f"admit/{member_id}"], timedelta(seconds=timeout))
     except RuntimeError:
         raise TimeoutError(f"member {member_id!r} was not admitted within {timeout:.1f}s: the current members "
-                           f"did not include it in a transition (is it registered with this job's store?)") from None
-    return Transition.from_json(store.get(f"transition/{int(store.get(f'admit/{member_id}'))}").decode())
+                           f"did not include it in a world change (is it registered with this job's store?)") from None
+    return WorldChange.from_json(store.get(f"transition/{int(store.get(f'admit/{member_id}'))}").decode())
 
 
-Transfer = Callable[[WorldGeneration], None]
+# Moves the training state over the generation that spans the old and the new members.
+StateMover = Callable[[WorldGeneration], None]
 
 
-def union_then_target(world: WorldGeneration, new: Iterable[str], transfer: Transfer | None = None,
+def union_then_target(world: WorldGeneration, new: Iterable[str], transfer: StateMover | None = None,
                       timeout: float | None = None, order: Iterable[str] | None = None) -> WorldGeneration | None:
     """Run by every current member: move to ``new``, calling ``transfer`` on the group spanning old and new.
 
-    Rank 0 announces the plan so admitted joiners (:func:`await_admission`, then :func:`run_transition`) follow
+    Rank 0 announces the plan so admitted joiners (:func:`await_admission`, then :func:`run_world_change`) follow
     it. ``order``: the target generation's rank order. Returns the target generation, or ``None`` on a member
     that left.
     """
     t = plan_union_then_target(world.generation, world.members, new, order)
     if world.rank == 0:
         announce(world.store, t)
-    return run_transition(t, world=world, transfer=transfer, timeout=timeout)
+    return run_world_change(t, world=world, transfer=transfer, timeout=timeout)
 
 
-def run_transition(t: Transition, world: WorldGeneration | None = None, store=None, member_id: str | None = None,
-                   transfer: Transfer | None = None, timeout: float | None = None,
-                   backend: str | None = None) -> WorldGeneration | None:
+def run_world_change(t: WorldChange, world: WorldGeneration | None = None, store=None,
+                     member_id: str | None = None, transfer: StateMover | None = None, timeout: float | None = None,
+                     backend: str | None = None) -> WorldGeneration | None:
     """Take part in ``t``: with ``world`` on a current member, with ``store`` and ``member_id`` on a joiner."""
     if world is None and (store is None or member_id is None or member_id in t.old):
         raise ValueError("a joiner passes store and member_id (and is not an old member); a current member "
                          "passes its world")
     if world is not None and world.generation + 1 != t.generation:
-        raise ValueError(f"transition starts at generation {t.generation}, this member is at {world.generation}")
+        raise ValueError(f"the world change starts at generation {t.generation}, this member is at "
+                         f"{world.generation}")
     if timeout is None:
         timeout = world.timeout if world is not None else 60.0
     if transfer is not None and t.union == t.old:

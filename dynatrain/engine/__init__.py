@@ -1,14 +1,14 @@
 """The transition engine: runs a `SwitchPlan` on a process group (the only layer that moves bytes)."""
 
-from dynatrain.engine.transition import (
+from dynatrain.engine.checks import (
     TransitionError,
-    TransitionStats,
     expected_destinations,
     expected_sources,
-    run_transition,
     torch_dtype,
     validate_sources,
 )
+from dynatrain.engine.stats import TransitionStats
+from dynatrain.engine.transition import run_transition
 
 __all__ = [
     "TransitionError",

@@ -1,7 +1,9 @@
-"""Parallelism as pure functions on a model: build on meta, `apply_tp`, then `apply_fsdp`, then materialise.
+"""Parallelism as pure functions on a model: build on meta, `apply_tp`, activation checkpointing (`apply_ac`),
+`apply_compile` per block, then `apply_fsdp`, then materialise (torchtitan's order).
 
 The order matters: TP first turns weights into DTensors on the tp mesh dimension; FSDP2 then shards dim 0
-of each TP-local tensor over the data-parallel dimensions (HSDP when dp_replicate > 1).
+of each TP-local tensor over the data-parallel dimensions (HSDP when dp_replicate > 1). Checkpointing and
+compilation replace a block's forward in place and wrap no module, so parameter names stay those of the plain model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dynatrain.models import tp_plan
+from dynatrain.models.checkpointing import ActivationCheckpointing, apply_ac
+from dynatrain.models.compile import apply_compile
 from dynatrain.models.configs import ModelConfig
 from dynatrain.models.llama import Transformer
 from dynatrain.models.pipeline import PipelineStages, split_model
@@ -99,6 +103,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     return model
 
 
+def apply_block_options(model: nn.Module, activation_checkpointing: ActivationCheckpointing | str | None = None,
+                        compile_backend: str | None = None) -> None:
+    """Activation checkpointing, then `torch.compile`, on every block of ``model.layers`` (between TP and FSDP)."""
+    apply_ac(model, activation_checkpointing)
+    apply_compile(model, compile_backend)
+
+
 def apply_fsdp(
     model: Transformer, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
 ) -> Transformer:
@@ -130,8 +141,9 @@ def apply_fsdp_stages(stages: PipelineStages, dp_mesh: DeviceMesh, mp_policy: Mi
 
 def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, stages_per_rank: int = 1, *,
                        mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False,
-                       split: tuple[tuple[int, int], ...] | None = None, loss_parallel: bool = False
-                       ) -> PipelineStages:
+                       split: tuple[tuple[int, int], ...] | None = None, loss_parallel: bool = False,
+                       activation_checkpointing: ActivationCheckpointing | str | None = None,
+                       compile_backend: str | None = None) -> PipelineStages:
     """Split ``model`` for the pp coordinate of this rank in ``mesh`` (by ``split``, else balanced by the zoo's
     cost), then TP and FSDP2 on the stage's ``(dp_replicate, dp_shard, tp)`` sub-mesh, as without pp."""
     n_stages = pcfg.pp * stages_per_rank
@@ -142,6 +154,7 @@ def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig,
     stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
     tp_mesh, dp_mesh = dense_meshes(mesh, pcfg)
     apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_block_options(model, activation_checkpointing, compile_backend)
     apply_fsdp_stages(stages, dp_mesh, mp_policy)
     return stages
 
@@ -154,19 +167,25 @@ def parallelize_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    activation_checkpointing: ActivationCheckpointing | str | None = None,
+    compile_backend: str | None = None,
 ) -> Transformer:
-    """TP then FSDP on existing meshes (also meshes made by Lightning's ModelParallelStrategy)."""
+    """TP, checkpointing and compile per block, then FSDP on existing meshes (also meshes made by Lightning's
+    ModelParallelStrategy)."""
     apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_block_options(model, activation_checkpointing, compile_backend)
     return apply_fsdp(model, dp_mesh, mp_policy=mp_policy)
 
 
 def parallelize_llama(
     module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *,
     mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False, stages_per_rank: int = 1,
-    loss_parallel: bool = False,
+    loss_parallel: bool = False, activation_checkpointing: ActivationCheckpointing | str | None = None,
+    compile_backend: str | None = None,
 ) -> nn.Module:
-    """The zoo's parallelize_fn: TP then FSDP on every dynatrain `Transformer` in ``module`` (``module`` itself
-    included) for the layout ``pcfg`` on ``mesh``; with pp, each first split into this rank's stages."""
+    """The zoo's parallelize_fn: TP, activation checkpointing and compile per block, then FSDP on every dynatrain
+    `Transformer` in ``module`` (``module`` itself included) for the layout ``pcfg`` on ``mesh``; with pp, each
+    first split into this rank's stages."""
     found = [m for m in module.modules() if isinstance(m, Transformer)]
     if not found:
         raise TypeError(
@@ -174,13 +193,14 @@ def parallelize_llama(
             "LightningModule's `configure_model()` using `self.device_mesh`, or give DynaTrainStrategy a "
             "`parallelize_fn(module, mesh, layout)` that does"
         )
+    options = {"activation_checkpointing": activation_checkpointing, "compile_backend": compile_backend}
     for transformer in found:
         if pcfg.pp > 1:
             parallelize_stages(transformer, mesh, pcfg, stages_per_rank, mp_policy=mp_policy,
-                               sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+                               sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **options)
         else:
             parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
-                              sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+                              sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **options)
     return module
 
 

@@ -119,10 +119,13 @@ def identity_map(cands: list[int], pcfg: ParallelConfig, gpus_per_node: int | No
     blocks = _node_blocks(cands, gpus_per_node)
     free = [list(b) for b in blocks]
     out: list[int] = []
+    at = 0  # nodes only lose free processes: one skipped for having fewer than tp never qualifies again
     for _ in range(_tp_groups(pcfg)):
-        node = next((f for f in free if len(f) >= pcfg.tp), None)
-        if node is None:
+        while at < len(free) and len(free[at]) < pcfg.tp:
+            at += 1
+        if at == len(free):
             raise _infeasible(pcfg, gpus_per_node, blocks)
+        node = free[at]
         out += [cands[i] for i in node[: pcfg.tp]]
         del node[: pcfg.tp]
     return out
@@ -202,8 +205,11 @@ def optimal_map(
         node_of_group[g] = slot_node[s]
     node_of_group = _improve(rows_of, caps, tp, node_of_group, value)
     # Level 2: exact placement inside each node.
+    groups_on: list[list[int]] = [[] for _ in blocks]
+    for g, n in enumerate(node_of_group):
+        groups_on[n].append(g)
     for n in range(len(blocks)):
-        groups = [g for g in range(n_groups) if node_of_group[g] == n]
+        groups = groups_on[n]
         if not groups:
             continue
         rows = blocks[n]
@@ -224,11 +230,24 @@ class _NodeRows:
         self.w = csr_matrix(w) if self.sparse else w
         if self.sparse:
             self.cols, self.vals = [], []
+            w = self.w
             for rows in blocks:
-                sub = self.w[rows]
-                nz = np.unique(sub.indices[sub.data > 0])
+                # A node's processes are consecutive rows (candidates ascend): read their CSR entries directly.
+                if rows and rows[-1] - rows[0] + 1 == len(rows):
+                    a, b = w.indptr[rows[0]], w.indptr[rows[-1] + 1]
+                    r = np.repeat(np.arange(len(rows)), np.diff(w.indptr[rows[0]:rows[-1] + 2]))
+                    cols, data = w.indices[a:b], w.data[a:b]
+                else:
+                    sub = w[rows].tocoo()
+                    r, cols, data = sub.row, sub.col, sub.data
+                nz = np.unique(cols[data > 0])
+                dense = np.zeros((len(rows), len(nz)), dtype=w.dtype)
+                at = np.searchsorted(nz, cols)
+                hit = at < len(nz)
+                hit[hit] = nz[at[hit]] == cols[hit]
+                np.add.at(dense, (r[hit], at[hit]), data[hit])
                 self.cols.append(nz)
-                self.vals.append(sub[:, nz].toarray())
+                self.vals.append(dense)
 
     def useful_groups(self, n: int, n_groups: int, tp: int) -> np.ndarray:
         """TP groups (ascending) in which node ``n``'s processes save anything (entries are never negative)."""

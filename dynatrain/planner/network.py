@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class NetworkModel:
@@ -53,24 +55,40 @@ class NetworkModel:
 
     def round_seconds(self, messages: Iterable[tuple[int, int, int]]) -> float:
         """Seconds for one round of (src, dst, bytes) messages; 0 for an empty round."""
-        loads: dict[tuple, int] = {}
-        any_message = False
-        for src, dst, n in messages:
-            any_message = True
-            a, b = self.node_of(src), self.node_of(dst)
-            kind = "intra" if a == b else "inter"
-            for key in ((kind, "out", src), (kind, "in", dst)):
-                loads[key] = loads.get(key, 0) + n
-            if a != b:
-                for key in (("node", "out", a), ("node", "in", b)):
-                    loads[key] = loads.get(key, 0) + n
-        if not any_message:
+        rows = np.array(list(messages), dtype=np.int64).reshape(-1, 3)
+        return self._round_seconds(rows[:, 0], rows[:, 1], rows[:, 2])
+
+    def _round_seconds(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> float:
+        if not len(src):
             return 0.0
-        rate = {"intra": self.intra_bytes_per_s, "inter": self.gpu_inter_bytes_per_s,
-                "node": self.node_inter_bytes_per_s}
-        worst = max(n / rate[key[0]] for key, n in loads.items())
+        a, b = src // self.gpus_per_node, dst // self.gpus_per_node
+        intra = a == b
+        inter = ~intra
+
+        def most(ids: np.ndarray, weights: np.ndarray) -> float:
+            # Integer byte sums below 2**53 are exact in float64; dividing by one rate keeps the order.
+            if not len(ids):
+                return 0.0
+            _, inv = np.unique(ids, return_inverse=True)
+            return float(np.bincount(inv.reshape(-1), weights=weights).max())
+
+        worst = max(
+            most(src[intra], nbytes[intra]) / self.intra_bytes_per_s,
+            most(dst[intra], nbytes[intra]) / self.intra_bytes_per_s,
+            most(src[inter], nbytes[inter]) / self.gpu_inter_bytes_per_s,
+            most(dst[inter], nbytes[inter]) / self.gpu_inter_bytes_per_s,
+            most(a[inter], nbytes[inter]) / self.node_inter_bytes_per_s,
+            most(b[inter], nbytes[inter]) / self.node_inter_bytes_per_s,
+        )
         return worst + self.round_latency_s
 
     def predict_seconds(self, traffic: Iterable[Iterable[tuple[int, int, int, int]]]) -> float:
         """Seconds for a plan's rounds, as `SwitchPlan.traffic` lists them: (src, dst, offset, bytes)."""
-        return sum(self.round_seconds((s, d, n) for s, d, _, n in rnd) for rnd in traffic)
+        total = 0.0
+        for rnd in traffic:
+            if hasattr(rnd, "nbytes") and hasattr(rnd, "src"):  # a round held as arrays (`rounds.Slices`)
+                total += self._round_seconds(rnd.src, rnd.dst, rnd.nbytes)
+            else:
+                rows = np.array([(s, d, n) for s, d, _, n in rnd], dtype=np.int64).reshape(-1, 3)
+                total += self._round_seconds(rows[:, 0], rows[:, 1], rows[:, 2])
+        return total

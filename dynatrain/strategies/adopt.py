@@ -1,14 +1,21 @@
-"""After the transfer: the target copy gets storage, the moved shards, the old buffers and optimizer state."""
+"""After the transfer: the target copy gets storage, the moved shards, the old buffers and optimizer state, and
+takes the live module's place; the optimizer, schedules and data then follow the new layout."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dynatrain.strategies.capture import BUFFER, local_tensor
+from dynatrain.strategies.target import transplant
+from dynatrain.vps.parallel_config import ParallelConfig
+
+if TYPE_CHECKING:
+    from dynatrain.strategies.switcher import Switcher
 
 
 def fill_target(target: nn.Module, names: list[str], dst: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -57,3 +64,55 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: 
             entries.setdefault(pname, {}).update(kept)
     for pname, state in entries.items():
         optimizer.state[params[pname]] = {k: state[k] for k in order.get(pname, state) if k in state}
+
+
+def adopt_module(switcher: "Switcher", target_module, names, mesh, target: ParallelConfig, positions, dst,
+                 kept) -> None:
+    """The target copy filled with the moved states and put in place of the live module's children; the
+    optimizer, schedules and data then follow the new layout."""
+    strategy = switcher.strategy
+    module = strategy.lightning_module
+    fill_target(target_module, names, dst, strategy.root_device)
+    transplant(module, target_module, names)
+    strategy._device_mesh = module._device_mesh = mesh
+    strategy.parallel_config, strategy.positions = target, list(positions)
+    _rebuild_optimizer(switcher, module, dst, kept)
+    strategy.build_pipeline()
+    move_data(switcher, target)
+    switcher.released = False
+
+
+def _rebuild_optimizer(switcher: "Switcher", module, dst, kept) -> None:
+    """`configure_optimizers()` again, then the moved tensors, kept scalars, hyper-parameters and schedules."""
+    strategy = switcher.strategy
+    if switcher.trainer is None:
+        return
+    strategy.setup_optimizers(switcher.trainer)
+    if not strategy.optimizers:
+        return
+    optimizer = strategy.optimizers[0]
+    if len(optimizer.param_groups) != len(kept["groups"]):
+        raise RuntimeError("configure_optimizers() returned different parameter groups after the switch")
+    for group, old in zip(optimizer.param_groups, kept["groups"]):
+        group.update(old)
+    restore_optimizer(optimizer, module, dst, kept["param_of"], kept["scalars"], kept["order"])
+    for cfg, state in zip(strategy.lr_scheduler_configs, kept["schedulers"]):
+        cfg.scheduler.load_state_dict(state)
+
+
+def move_data(switcher: "Switcher", target: ParallelConfig) -> None:
+    """The data module on the new data-parallel rank and gradient accumulation; Lightning's loop counts the
+    accumulation from here."""
+    trainer = switcher.trainer
+    if trainer is None:
+        return
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and hasattr(datamodule, "set_layout"):
+        trainer.accumulate_grad_batches = datamodule.set_layout(target.dp_size, switcher.strategy.dp_rank)
+    loop = trainer.fit_loop.epoch_loop
+    switcher.accumulation_offset = loop.batch_progress.current.ready
+    sampler = getattr(datamodule, "train_sampler", None)
+    if sampler is not None and hasattr(sampler, "remaining_in_epoch") and trainer.training:
+        # The epoch now has a different number of micro-batches per rank.
+        micro = getattr(datamodule, "micro_batch_size", 1)
+        trainer.fit_loop.max_batches = switcher.accumulation_offset + sampler.remaining_in_epoch() // micro

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,17 +26,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, member_info
+from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
+from dynatrain.models.checkpointing import ActivationCheckpointing
+from dynatrain.models.compile import compile_backend
 from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
-from dynatrain.models.pipeline import pipeline_stages
-from dynatrain.strategies.elastic import adopt_logger_versions, logger_versions, set_world
-from dynatrain.strategies.pipeline import (
-    PipelineRunner,
-    check_pipeline_module,
-    check_schedule,
-    pipeline_batch,
-    stack_batches,
-)
+from dynatrain.strategies.checkpoint_io import CheckpointIO
+from dynatrain.strategies.lightning_world import adopt_logger_versions, logger_versions, set_world
+from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
+from dynatrain.strategies.steps import CompileWatch, StepHooks
 from dynatrain.strategies.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -58,7 +54,7 @@ def _prepare_data_locally(trainer: Trainer) -> None:
         datamodule.prepare_data()
 
 
-class DynaTrainStrategy(ModelParallelStrategy):
+class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
     """FSDP2 + tensor parallelism on a ``(dp_replicate, dp_shard, tp)`` mesh.
 
     Args:
@@ -82,6 +78,15 @@ class DynaTrainStrategy(ModelParallelStrategy):
             `CausalLM` does) never gathers them whole; False gathers them on every rank.
         pipeline_schedule: with pp > 1, ``"1F1B"``, ``"GPipe"`` or ``"Interleaved1F1B"`` (several stages per rank).
         stages_per_rank: pipeline stages each pp rank runs (>= 2 with Interleaved1F1B, else 1).
+        activation_checkpointing: ``"none"``, ``"full"`` (every block recomputes its forward in the backward),
+            ``"selective:N"`` (every N-th block) or ``"selective:op"`` (every block keeps its attention, collective
+            and every other matmul outputs); parameter names stay those of the plain model (see
+            `dynatrain.models.checkpointing`).
+        compile: `torch.compile` each transformer block: False, True (inductor) or a backend name (``"aot_eager"``).
+            A switch's target blocks compile at its first step; `SwitchReport.compile_s` says how long that took.
+        Checkpointing and compile apply to the default parallelisation (the zoo's models); a ``parallelize_fn`` or a
+        `configure_model()` of your own calls `dynatrain.models.checkpointing.apply_ac` and
+        `dynatrain.models.compile.apply_compile` itself (between TP and FSDP) or reads them from the strategy.
     """
 
     strategy_name = "dynatrain"
@@ -103,6 +108,8 @@ class DynaTrainStrategy(ModelParallelStrategy):
         pipeline_schedule: str = "1F1B",
         stages_per_rank: int = 1,
         loss_parallel: bool = True,
+        activation_checkpointing: str = "none",
+        compile: bool | str = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -116,9 +123,13 @@ class DynaTrainStrategy(ModelParallelStrategy):
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce) if param is not None else None
         check_schedule(pipeline_schedule, stages_per_rank)
         self.pipeline_schedule, self.stages_per_rank = pipeline_schedule, stages_per_rank
-        self.parallelize_fn = parallelize_fn or partial(parallelize_llama, mp_policy=self.mp_policy,
-                                                        sequence_parallel=sequence_parallel,
-                                                        stages_per_rank=stages_per_rank, loss_parallel=loss_parallel)
+        # Read by the zoo's parallelisation, for the first model and every switch's target alike.
+        self.activation_checkpointing = ActivationCheckpointing.parse(activation_checkpointing)
+        self.compile_backend = compile_backend(compile)
+        self.parallelize_fn = parallelize_fn or partial(
+            parallelize_llama, mp_policy=self.mp_policy, sequence_parallel=sequence_parallel,
+            stages_per_rank=stages_per_rank, loss_parallel=loss_parallel,
+            activation_checkpointing=self.activation_checkpointing, compile_backend=self.compile_backend)
         self.loss_parallel = loss_parallel
         self.pipeline: PipelineRunner | None = None  # the schedule of this rank's stages when pp > 1
         self.verify_switches = verify_switches
@@ -146,6 +157,9 @@ class DynaTrainStrategy(ModelParallelStrategy):
         # Called with the SwitchReport once a switch completed, on every process of the new world and on a process
         # that left (its report's world_size is 0).
         self.after_switch: list = []
+        self.compile_watch = CompileWatch() if self.compile_backend else None
+        if self.compile_watch is not None:
+            self.after_switch.append(self.compile_watch.on_switch)
         self._template: ModuleTemplate | None = None  # the LightningModule before configure_model(), on meta
         self._target_mesh: DeviceMesh | None = None  # set while a target layout is built
         # The job's layout policy for a number of processes (set by dynatrain.callbacks.ElasticCallback): what the
@@ -332,59 +346,6 @@ class DynaTrainStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.build_pipeline()
 
-    # ---- pipeline parallelism -----------------------------------------------------------------------------
-    def build_pipeline(self) -> None:
-        """The schedule of this rank's stages for the current layout (None without pp); after every switch."""
-        pcfg = self.parallel_config
-        self.pipeline = None
-        if pcfg is None or pcfg.pp == 1:
-            return
-        module = self.lightning_module
-        check_pipeline_module(module)
-        stages = pipeline_stages(module)
-        if stages is None:
-            raise ValueError(f"layout {pcfg.short()} has pp={pcfg.pp}, but the module's parallelisation split no "
-                             "model into stages: see docs/pipeline.md")
-        self.pipeline = PipelineRunner(stages, self.device_mesh, self.pipeline_schedule, module.pipeline_loss,
-                                       self.root_device, getattr(module, "loss_context", nullcontext))
-
-    def training_step(self, *args, **kwargs):
-        runner = self.pipeline
-        if runner is None:
-            return super().training_step(*args, **kwargs)
-        # Lightning hands over one micro-batch at a time; the schedule runs the step's micro-batches together.
-        runner.pending.append(args[0])
-        if self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
-            return torch.zeros((), device=self.root_device)
-        batches, runner.pending = runner.pending, []
-        module, trainer = self.lightning_module, self.lightning_module.trainer
-        for optimizer in self.optimizers:
-            module.optimizer_zero_grad(trainer.current_epoch, args[1] if len(args) > 1 else 0, optimizer)
-        inputs, target = stack_batches(batches)
-        loss, losses = runner.train_step(inputs, target, len(batches))
-        hook = getattr(module, "on_pipeline_losses", None)
-        if hook is not None:
-            hook(losses, target)
-        return loss
-
-    def backward(self, closure_loss, optimizer, *args, **kwargs):
-        if self.pipeline is not None:
-            return closure_loss  # the schedule ran backward with the forward
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def validation_step(self, *args, **kwargs):
-        runner = self.pipeline
-        if runner is None:
-            return super().validation_step(*args, **kwargs)
-        loss = runner.evaluate(*pipeline_batch(args[0]))
-        module = self.lightning_module
-        hook = getattr(module, "on_pipeline_validation_loss", None)
-        if hook is not None:
-            hook(loss)
-        else:
-            module.log("val_loss", loss, sync_dist=True)
-        return loss
-
     def _set_accumulation(self, trainer: Trainer) -> None:
         datamodule = getattr(trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "accumulation_for"):
@@ -457,26 +418,6 @@ class DynaTrainStrategy(ModelParallelStrategy):
         if self.detached or self.local_only:
             return tensor.unsqueeze(0)
         return super().all_gather(tensor, group, sync_grads)
-
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None):
-        if str(checkpoint_path) == JOIN_CHECKPOINT:
-            if self._switcher is None or self._switcher.joined is None:
-                raise ValueError(f"ckpt_path={JOIN_CHECKPOINT!r} is for a process started with `dynatrain join`")
-            return self._switcher.joined.checkpoint
-        from dynatrain.strategies.snapshot_io import is_committed, latest_snapshot, restore_snapshot
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not is_committed(path) and (path / "latest").exists():
-            path = latest_snapshot(path) or path  # a Snapshot directory: its latest committed snapshot
-        if is_committed(path):
-            # A snapshot loads into whatever layout and world this job has; the loop state comes back with it.
-            return restore_snapshot(self, self.lightning_module, path)["checkpoint"]
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        if self.detached:
-            return  # a process that left holds no state of the job
-        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None, budget_mb: float | None = None):
         """Move model and optimizer state to the layout ``target`` now. Only at an optimizer-step boundary;

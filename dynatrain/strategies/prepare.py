@@ -27,7 +27,7 @@ from typing import Any, Callable, Collection, Sequence
 
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
-from dynatrain.strategies.elastic import decode_specs, encode_specs
+from dynatrain.strategies.join_payload import decode_specs, encode_specs
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.placement import Sharding
 from dynatrain.vps.parallel_config import ParallelConfig

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-from dynatrain.engine.transition import run_transition
+from dynatrain import engine
 from dynatrain.memory import release_freed_memory
 from dynatrain.planner.schedule import plan_switch
-from dynatrain.strategies.elastic import forget_old_meshes, set_world
-from dynatrain.strategies.prepare import plan_mesh_safe
+from dynatrain.strategies.adopt import adopt_module
 from dynatrain.strategies.capture import capture
-from dynatrain.strategies.switch import PhaseTimer
+from dynatrain.strategies.lightning_world import forget_old_meshes, set_world
+from dynatrain.strategies.prepare import plan_mesh_safe
+from dynatrain.strategies.report import PhaseTimer
+from dynatrain.strategies.states import keep_states, release_module
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -124,7 +126,8 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     if old_cfg.pp > 1:
         # The survivors would have to agree on every stage's states without the lost process's view of its own.
         raise WorldChangeError(f"a process was lost while training as {old_cfg.short()}: recovery from a lost process "
-                               "is not supported with pipeline parallelism yet; restart from the last snapshot")             from error
+                               "is not supported with pipeline parallelism yet; restart from the last snapshot"
+                               ) from error
     step = trainer.global_step if trainer is not None else 0
     start = time.monotonic()
     cause = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
@@ -136,9 +139,9 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     _reshard(module)
     captured = capture(module, optimizer, strategy.device_mesh)
     src = captured.sources
-    kept = switcher.keep_states(captured, optimizer)
-    names = switcher.release_module(module, optimizer)
-    switcher.forget_builds()
+    kept = keep_states(switcher, captured, optimizer)
+    names = release_module(switcher, module, optimizer)
+    switcher.targets.forget_builds()
     del optimizer
     gc.collect()
     _drop_groups([*strategy._meshes.values(), strategy._device_mesh])
@@ -169,7 +172,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     set_world(strategy, world.rank, world.world_size)
     try:
         target = survivors_target(switcher, len(survivors))
-        target_layout, _ = switcher.target_layout(target, captured, probe=True)
+        target_layout, _ = switcher.targets.layout(target, captured, probe=True)
         plan, target_ranks = plan_mesh_safe(
             lambda order: plan_switch(old_layout, target_layout, lost=lost_ranks,
                                       rank_map=order or strategy.rank_map, budget_bytes=strategy.switch_budget_bytes),
@@ -180,11 +183,11 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     del captured
     timer.lap("plan")
 
-    dst, _ = run_transition(plan, me, src, group_ranks=rank_of, device=strategy.root_device)
+    dst, _ = engine.run_transition(plan, me, src, group_ranks=rank_of, device=strategy.root_device)
     del src
     timer.lap("transfer")
     new_mesh = strategy._build_mesh(target, ranks=target_ranks)
-    switcher.adopt_module(strategy.build_target(new_mesh, target), names, new_mesh, target, target_ranks, dst, kept)
+    adopt_module(switcher, strategy.build_target(new_mesh, target), names, new_mesh, target, target_ranks, dst, kept)
     timer.lap("adopt")
     release_freed_memory()
     report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),

@@ -7,15 +7,25 @@ with every parameter and buffer on the meta device (no memory). A target is a co
 did at start-up; DTensor then records the target placements, which the switch plans from. After the transfer,
 the copy's parameter-holding children replace the live module's (`transplant`): the LightningModule object, its
 hooks, metrics and attributes stay those Lightning knows.
+
+`TargetLayouts` reads a target's placements from such builds, once per layout: on the target's real mesh within
+the world, on probe meshes of fake groups (`probe`) for a world of another size or another pipeline stage.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import torch
 from torch import nn
+
+from dynatrain.models.pipeline import pipeline_stages
+from dynatrain.strategies.capture import target_shardings
+from dynatrain.strategies.probe import probe_mesh
+from dynatrain.vps.layout import Layout
+from dynatrain.vps.parallel_config import ParallelConfig
 
 
 def meta_copy(module: nn.Module, keep: tuple = ()) -> nn.Module:
@@ -89,3 +99,80 @@ def transplant(live: nn.Module, target: nn.Module, names: list[str]) -> None:
         live._modules[n] = target._modules.get(n)
     for n, p in target._parameters.items():
         live._parameters[n] = p
+
+
+class _BuildFailed(Exception):
+    """The module's own parallelisation raised (its ``__cause__``) while a target layout was built."""
+
+
+class TargetLayouts:
+    """Per target layout, every parameter's sharding there (from the module's parallelisation run on meta, once per
+    layout), and the build made when a switch was requested, kept for the switch to reuse."""
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+        self._shardings: dict[ParallelConfig, dict] = {}  # per target layout: parameter -> Sharding
+        self._probes: dict = {}  # target layout -> its meta build on the default rank order, made at request time
+
+    def check(self, target: ParallelConfig, captured, probe: bool = False) -> None:
+        """Run the module's parallelisation for ``target`` now (a ValueError if it fails); keep the build."""
+        _, built = self.layout(target, captured, probe=probe)
+        if built is not None:
+            self._probes[target] = built
+
+    def layout(self, target: ParallelConfig, captured, probe: bool = False):
+        """The target layout of the captured states and, when there is one, the build to reuse (see
+        `shardings`)."""
+        shardings, built = self.shardings(target, captured, probe)
+        return Layout.from_shardings(captured.specs, shardings, target), built
+
+    def shardings(self, target: ParallelConfig, captured, probe: bool = False):
+        """Per captured state, its sharding in ``target``, from the module's parallelisation run on meta (once per
+        layout). Within the world it runs on the target's real mesh in the default rank order, and that build is
+        returned for reuse when the plan keeps the order; for another world size (``probe``) on a mesh of fake
+        groups (`probe`)."""
+        strategy = self.strategy
+        shardings = self._shardings.get(target)
+        built = self._probes.pop(target, None) if shardings is not None and not probe else None
+        if shardings is None:
+            try:
+                if probe or target.pp > 1:
+                    # A pipeline's other stages are read from probes placed on them; nothing is built to reuse.
+                    with ExitStack() as probes:
+                        builds = [self._probe_build(probes, target, stage) for stage in range(target.pp)]
+                        per_param = target_shardings(builds, captured)
+                    built = None
+                else:
+                    mesh = strategy._build_mesh(target)
+                    built = self._build(mesh, target)
+                    per_param = target_shardings([(built, mesh)], captured)
+            except _BuildFailed as e:
+                cause = e.__cause__
+                raise ValueError(f"the model's parallelisation failed for {target.short()} (run on the meta device): "
+                                 f"{type(cause).__name__}: {cause}") from cause
+            shardings = {captured.param_of[s.name][0]: sh for s, sh in zip(captured.specs, per_param)}
+            self._shardings[target] = shardings
+        try:
+            return tuple(shardings[captured.param_of[s.name][0]] for s in captured.specs), built
+        except KeyError as e:
+            raise ValueError(f"state {e.args[0]!r} appeared after the target layout was built") from None
+
+    def _probe_build(self, probes: ExitStack, target: ParallelConfig, stage: int):
+        """(the module parallelised for ``target`` as pipeline stage ``stage`` sees it, its probe mesh); the probe's
+        groups stay registered until ``probes`` closes."""
+        mesh = probes.enter_context(probe_mesh(target, self.strategy.root_device.type, stage))
+        build = self._build(mesh, target)
+        if target.pp > 1 and pipeline_stages(build) is None:
+            raise ValueError(f"{target.short()} asks for pipeline stages, but the module's parallelisation split no "
+                             "model into stages (see docs/pipeline.md): use pp=1 for this module")
+        return build, mesh
+
+    def _build(self, mesh, target: ParallelConfig):
+        try:
+            return self.strategy.build_target(mesh, target)
+        except Exception as e:
+            raise _BuildFailed() from e
+
+    def forget_builds(self) -> None:
+        """Drop the meta builds made at request time: they hold this world's meshes, which a world change ends."""
+        self._probes.clear()

@@ -18,6 +18,7 @@ from functools import cached_property
 import numpy as np
 
 from dynatrain.vps.box import Box
+from dynatrain.vps.class_shards import ClassShards
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.placement import Sharding, sharding_shards
 from dynatrain.vps.rules import LocalShards, ShardRule, layout_shards
@@ -229,9 +230,8 @@ class Layout:
     @cached_property
     def needed_bytes(self) -> int:
         """Bytes all positions together hold (replicas counted every time): what a switch must deliver."""
-        return sum(
-            sum(held.numel for held in shards) * b for shards, b in zip(self.classes, self.class_bytes_per_element)
-        )
+        return sum(int(np.prod(boxes.hi - boxes.lo, axis=1).sum()) * b
+                   for boxes, b in zip(self._class_boxes, self.class_bytes_per_element))
 
     def class_boxes(self, c: int) -> ClassBoxes:
         return self._class_boxes[c]
@@ -240,6 +240,9 @@ class Layout:
     def _class_boxes(self) -> tuple[ClassBoxes, ...]:
         out = []
         for shards in self.classes:
+            if isinstance(shards, ClassShards):
+                out.append(ClassBoxes(shards.lo, shards.hi, shards.position, shards.shard))
+                continue
             ndim = len(shards[0].local_shape) if shards else 1
             lo, hi, pos, idx = [], [], [], []
             for q, held in enumerate(shards):

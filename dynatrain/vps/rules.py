@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from dynatrain.vps.box import Box
+from dynatrain.vps.class_shards import ClassShards
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.placement import LocalShards, Shard, Sharding, StridedShard, chunk_bounds
 
@@ -98,16 +101,64 @@ def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> Local
     return _shards_from_ranges(_tp_ranges(rule, pcfg.tp, t), pcfg.dp_shard, s)
 
 
-def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> tuple[LocalShards, ...]:
-    """`local_shards` for every mesh position in the default order, position = (r*S + s)*T + t."""
-    per_t = [_tp_ranges(rule, pcfg.tp, t) for t in range(pcfg.tp)]
+def _st_arrays(ranges: list[list[tuple[int, int]]], dp_shard: int):
+    """`_shards_from_ranges` for every dp_shard index at once: (boxes per s, lo, hi, offsets, local shapes), boxes
+    ordered by s, then row range, then the ranges of the other dimensions."""
+    rows = ranges[0]
+    local_rows = sum(hi - lo for lo, hi in rows)
+    size = -(-local_rows // dp_shard)
+    a = np.minimum(np.arange(dp_shard, dtype=np.int64) * size, local_rows)
+    b = np.minimum(a + size, local_rows)
+    row_lo = np.array([lo for lo, _ in rows], dtype=np.int64)
+    row_n = np.array([hi - lo for lo, hi in rows], dtype=np.int64)
+    row_pos = np.concatenate([[0], np.cumsum(row_n)[:-1]]).astype(np.int64)
+    x = np.maximum(a[:, None], row_pos[None, :])
+    y = np.minimum(b[:, None], (row_pos + row_n)[None, :])
+    s_idx, j_idx = np.nonzero(x < y)  # row-major: by s, then row range
+    others: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [((), (), ())]
+    for dim_ranges in ranges[1:]:
+        nxt = []
+        col_off = 0
+        for lo, hi in dim_ranges:
+            if hi > lo:
+                nxt += [(l + (lo,), h + (hi,), o + (col_off,)) for l, h, o in others]
+            col_off += hi - lo
+        others = nxt
+    n_o, ndim = len(others), len(ranges)
+    o_lo = np.array([l for l, _, _ in others], dtype=np.int64).reshape(n_o, ndim - 1)
+    o_hi = np.array([h for _, h, _ in others], dtype=np.int64).reshape(n_o, ndim - 1)
+    o_off = np.array([o for _, _, o in others], dtype=np.int64).reshape(n_o, ndim - 1)
+    xs, ys = x[s_idx, j_idx], y[s_idx, j_idx]
+    first = np.repeat(np.stack([row_lo[j_idx] + xs - row_pos[j_idx], row_lo[j_idx] + ys - row_pos[j_idx],
+                                xs - a[s_idx]], axis=1), n_o, axis=0)
+    tile = lambda m: np.tile(m, (len(s_idx), 1))
+    lo = np.concatenate([first[:, :1], tile(o_lo)], axis=1)
+    hi = np.concatenate([first[:, 1:2], tile(o_hi)], axis=1)
+    off = np.concatenate([first[:, 2:3], tile(o_off)], axis=1)
+    counts = np.bincount(s_idx, minlength=dp_shard) * n_o
+    rest = [sum(hi - lo for lo, hi in r) for r in ranges[1:]]
+    shape = np.concatenate([(b - a)[:, None], np.tile(np.array(rest, dtype=np.int64), (dp_shard, 1))], axis=1)
+    return counts, lo, hi, off, shape
+
+
+def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> ClassShards:
+    """`local_shards` for every mesh position in the default order, position = (r*S + s)*T + t, as arrays."""
+    tp, S = pcfg.tp, pcfg.dp_shard
+    per_t = [_st_arrays(_tp_ranges(rule, tp, t), S) for t in range(tp if rule.tp_dim is not None else 1)]
     if rule.tp_dim is None:
         # Replicated over TP: one computation per dp_shard index serves every t.
-        per_s = [_shards_from_ranges(per_t[0], pcfg.dp_shard, s) for s in range(pcfg.dp_shard)]
-        per_st = [per_s[s] for s in range(pcfg.dp_shard) for _ in range(pcfg.tp)]
-    else:
-        per_st = [_shards_from_ranges(per_t[t], pcfg.dp_shard, s) for s in range(pcfg.dp_shard) for t in range(pcfg.tp)]
-    return tuple(per_st) * pcfg.dp_replicate
+        per_t = per_t * tp
+    # Interleave: position s*T + t takes (s, t)'s boxes.
+    counts = np.stack([c for c, *_ in per_t], axis=1).reshape(-1)  # [S*T], s-major
+    box_t = np.concatenate([np.full(len(lo), t, dtype=np.int64) for t, (_, lo, *_r) in enumerate(per_t)])
+    box_s = np.concatenate([np.repeat(np.arange(S), c) for c, *_ in per_t])
+    order = np.lexsort((box_t, box_s))  # stable: within (s, t) the boxes keep their order
+    lo = np.concatenate([x[1] for x in per_t])[order]
+    hi = np.concatenate([x[2] for x in per_t])[order]
+    off = np.concatenate([x[3] for x in per_t])[order]
+    shape = np.stack([x[4] for x in per_t], axis=1).reshape(S * tp, -1)
+    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return ClassShards(ptr, lo, hi, off, shape).tile(pcfg.dp_replicate)
 
 
 def rule_sharding(rule: ShardRule, pcfg: ParallelConfig) -> Sharding:

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dynatrain.elastic import (  # noqa: E402
-    WorldGeneration, await_admission, connect, pending_joiners, register, run_transition, union_then_target,
+    WorldGeneration, await_admission, connect, pending_joiners, register, run_world_change, union_then_target,
 )
 
 INITIAL = ["p0", "p1", "p2", "p3"]
@@ -54,7 +54,7 @@ def run(args, store, events: list) -> None:
     transfer = lambda w: events.append({"transfer": True, **reduce_ids(w)})  # noqa: E731
     if args.role == "joiner":
         t = await_admission(store, args.id, TIMEOUT)
-        world = run_transition(t, store=store, member_id=args.id, transfer=transfer, timeout=TIMEOUT)
+        world = run_world_change(t, store=store, member_id=args.id, transfer=transfer, timeout=TIMEOUT)
     else:
         world = WorldGeneration.join(store, 0, args.id, INITIAL, timeout=TIMEOUT)
         events.append(reduce_ids(world))

@@ -1,4 +1,4 @@
-"""Resource-change signal sources end to end: a real signal, a live HTTP server, a watched file, a trace."""
+"""The signal sources end to end: a real signal, a live HTTP server, a watched file, a trace."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ import time
 import pytest
 
 from dynatrain.cli import main as dynatrain_main
-from dynatrain.elastic import signals
+from dynatrain.signals import ControlServer, FileSource, PreemptionSource, SignalHub, TraceSource, is_loopback
+from dynatrain.signals import control as control_mod
 from tests._launch import replace_file, wait_for
-from dynatrain.elastic.signals import (
-    ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource,
-)
 
 TOKEN = "job-token-7f3a"
 
@@ -177,12 +175,12 @@ def test_control_refuses_oversized_bodies_without_reading_them(control):
 
 def test_control_refuses_a_non_loopback_client(control, monkeypatch):
     hub, server = control
-    monkeypatch.setattr(signals, "_peer_host", lambda handler: "192.0.2.7")
+    monkeypatch.setattr(control_mod, "_peer_host", lambda handler: "192.0.2.7")
     status, answer = _post(server.endpoint, b'{"devices": 3}')
     assert status == 403 and "loopback" in answer["reason"]
     assert hub.poll() is None
-    assert signals.is_loopback("::1") and signals.is_loopback("localhost") and signals.is_loopback("127.0.0.2")
-    assert not signals.is_loopback("192.0.2.7") and not signals.is_loopback("0.0.0.0")
+    assert all(is_loopback(host) for host in ("::1", "localhost", "127.0.0.2"))
+    assert not is_loopback("192.0.2.7") and not is_loopback("0.0.0.0")
 
 
 def test_control_binds_beyond_loopback_only_when_allowed():
@@ -328,66 +326,3 @@ def test_bad_traces_fail_at_construction_naming_the_entry(entries, max_devices, 
 
 
 # ------------------------------------------------------------------------------------- coalescing and limits
-
-
-def test_latest_request_wins():
-    hub = SignalHub()
-    hub.submit(ScaleRequest(devices=2, source="control"))
-    hub.submit(ScaleRequest(layout="dp_shard=2,tp=2", source="file"))
-    request = hub.poll()
-    assert (request.devices, request.layout, request.source) == (None, "dp_shard=2,tp=2", "file")
-    assert "coalesced" in request.reason
-    assert hub.poll() is None
-
-
-def test_preempted_ranks_stay_gone_across_coalesced_requests():
-    hub = SignalHub()
-    hub.submit(ScaleRequest(leave=(2,), source="preemption", deadline=50.0))
-    hub.submit(ScaleRequest(leave=(0, 2), source="preemption", deadline=40.0))
-    hub.submit(ScaleRequest(devices=3, source="control"))
-    request = hub.poll()
-    assert (request.devices, request.leave, request.deadline) == (3, (0, 2), 40.0)
-    # A preemption after a target keeps the target: it names who leaves, not how many devices to run on.
-    hub.submit(ScaleRequest(devices=3, source="control"))
-    hub.submit(ScaleRequest(leave=(1,), source="preemption"))
-    request = hub.poll()
-    assert (request.devices, request.leave, request.source) == (3, (1,), "preemption")
-
-
-def test_concurrent_submissions_coalesce_to_one():
-    hub = SignalHub()
-
-    def flood(n):
-        for d in range(1, 51):
-            hub.submit(ScaleRequest(devices=d, source="control", reason=f"thread {n}"))
-        hub.submit(ScaleRequest(leave=(n,), source="preemption"))
-
-    threads = [threading.Thread(target=flood, args=(n,)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    request = hub.poll()
-    assert request.leave == tuple(range(6)) and request.devices == 50
-    assert hub.poll() is None
-
-
-def test_limits_reject_with_a_reason_and_training_goes_on(caplog):
-    hub = SignalHub(max_devices=4)
-    with caplog.at_level(logging.WARNING, logger="dynatrain.elastic"):
-        verdict = hub.submit(ScaleRequest(devices=5))
-        assert not hub.submit(ScaleRequest(layout="dp_shard=4,tp=2")).accepted
-    assert not verdict.accepted and "max_devices=4" in verdict.reason
-    assert hub.poll() is None
-    assert [r.request.world_size for r in hub.rejected] == [5, 8]
-    assert sum("max_devices=4" in r.getMessage() for r in caplog.records) == 2
-    assert not hub.submit("devices=3").accepted
-    assert hub.submit(ScaleRequest(devices=4)).accepted and hub.poll().devices == 4
-    with pytest.raises(ValueError, match="at least 1"):
-        ScaleRequest(devices=0)
-    with pytest.raises(ValueError, match="not both"):
-        ScaleRequest(devices=2, layout="tp=2")
-    with pytest.raises(ValueError, match="target"):
-        ScaleRequest()
-    with pytest.raises(ValueError, match="max_devices"):
-        SignalHub(max_devices=0)

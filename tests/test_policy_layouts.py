@@ -6,7 +6,7 @@ import pytest
 
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.planner import NetworkModel, plan_switch
-from dynatrain.planner.layouts import (
+from dynatrain.policy import (
     GiB, CostModel, Devices, LayoutPolicy, Workload, choose_layout, enumerate_configs, estimate_layout,
     plan_layout, price_switch, rank_layouts, weigh_switch,
 )

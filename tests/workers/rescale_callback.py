@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
 import dynatrain
-from dynatrain.callbacks.elastic import ElasticCallback
+from dynatrain.callbacks.rescale import ElasticCallback
 from dynatrain.cli import scale
 from dynatrain.data import LlamaDataModule
 from dynatrain.launcher import finish_rank

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dynatrain.cli import main
-from dynatrain.cli.elastic import split_elastic_args
+from dynatrain.cli.job_launcher import split_elastic_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def _committed(root: Path, step: int) -> Path:
 
 
 def test_a_failed_job_restarts_from_its_latest_snapshot_on_the_processes_left(tmp_path, monkeypatch):
-    from dynatrain.cli.elastic import ElasticLauncher
+    from dynatrain.cli.job_launcher import ElasticLauncher
 
     snapshots = tmp_path / "snapshots"
     _committed(snapshots, 2)
@@ -114,7 +114,7 @@ def test_a_failed_job_restarts_from_its_latest_snapshot_on_the_processes_left(tm
 def test_after_a_failure_the_processes_killed_from_outside_do_not_count(monkeypatch):
     from types import SimpleNamespace
 
-    from dynatrain.cli.elastic import ElasticLauncher
+    from dynatrain.cli.job_launcher import ElasticLauncher
 
     def proc(code):
         return SimpleNamespace(poll=lambda: code, returncode=code)
@@ -135,3 +135,16 @@ def test_a_restart_command_line_is_one_lightning_accepts(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["init_args"]["parallel"] == "auto"
     assert printed["ckpt_path"] == "runs/snapshots" and str(printed["trainer"]["devices"]) == "3"
+
+
+def test_join_without_a_stored_command_line_says_to_give_it(tmp_path):
+    # A job whose members torchrun started stores no command line: `dynatrain join` must say so at once instead
+    # of blocking on the store until its timeout.
+    from dynatrain.elastic.store import start_store
+
+    store = start_store("t0ken", tmp_path, host="127.0.0.1")
+    try:
+        with pytest.raises(SystemExit, match=r"did not store its command line .* -- fit --config recipe.yaml"):
+            main(["join", "--endpoint", store.endpoint, "--token", "t0ken"])
+    finally:
+        store.stop()

@@ -1,12 +1,9 @@
 """`ElasticCallback`: resource-change signals in, one agreed layout switch out, at an optimizer-step boundary.
 
-Each rank hears its own signals (`dynatrain.elastic.signals`): the control server and the watched file on global
-rank 0, a preemption signal on every rank, the scripted trace on every rank. At a step boundary every rank puts
-its pending request in a fixed-size slot and all slots are all-gathered, so all ranks merge the same inputs and
-reach the same decision without a second round:
+Each rank hears its own signals (`dynatrain.signals`): the control server and the watched file on global rank 0,
+a preemption signal on every rank, the scripted trace on every rank. At a step boundary the ranks agree on one
+request (`dynatrain.signals.agreement`), which turns into a target layout (`dynatrain.callbacks.rescale_plan`):
 
-* the ranks that announced they leave are united;
-* the latest target (``devices`` or ``layout``) wins, by wall-clock time of receipt, then lower rank;
 * an explicit layout is taken as it is; a device count (or, for a bare preemption, the current world minus the
   leaving ranks) goes to the layout planner, which on the same device count switches only when it pays;
 * the target goes to ``strategy.request_switch``; anything the planner or the strategy refuses is logged and
@@ -19,228 +16,36 @@ reach the same decision without a second round:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
-import secrets
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
-from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
-from dynatrain.elastic.signals import (
-    ControlServer, FileSource, PreemptionSource, ScaleRequest, SignalHub, TraceSource, describe_request,
+from dynatrain.callbacks.rescale_options import (
+    TOKEN_ENV, read_or_create_token, signal_number, source_options, watch_options,
 )
-from dynatrain.planner.layouts import GiB, Devices, LayoutPolicy, Workload, choose_layout
+from dynatrain.callbacks.rescale_plan import Decision, accepts_leave, plan_target, workload_for
+from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
+from dynatrain.policy import GiB, Devices, LayoutPolicy, choose_layout
 from dynatrain.planner.network import NetworkModel
+from dynatrain.signals.agreement import MergedRequest, Proposal, Slot, all_gather_slots, encode_slot, merge_proposals
+from dynatrain.signals.control import ControlServer
+from dynatrain.signals.file import FileSource
+from dynatrain.signals.hub import SignalHub
+from dynatrain.signals.preemption import PreemptionSource
+from dynatrain.signals.trace import TraceSource
 from dynatrain.vps.parallel_config import ParallelConfig
 
 LOGGER = logging.getLogger("dynatrain.elastic")
 
-SLOT_BYTES = 4096
-MAX_REASON = 512
-TOKEN_ENV = "DYNATRAIN_TOKEN"
-NEEDS_ELASTIC = "changing the device count needs the elastic device manager"
 
-
-# ---------------------------------------------------------------------------------------------- agreement
-@dataclass(frozen=True)
-class Proposal:
-    """One rank's pending request as every rank receives it.
-
-    ``wall_time`` replaces the request's monotonic ``received_at`` (meaningless in another process);
-    ``deadline_in`` is the seconds left, at sending, before a preempted rank dies.
-    """
-
-    rank: int
-    devices: int | None = None
-    layout: str | None = None
-    leave: tuple[int, ...] = ()
-    source: str = "control"
-    reason: str = ""
-    wall_time: float = 0.0
-    deadline_in: float | None = None
-
-    @classmethod
-    def from_request(cls, rank: int, request: ScaleRequest, now_wall: float | None = None,
-                     now_mono: float | None = None) -> "Proposal":
-        now_wall = time.time() if now_wall is None else now_wall
-        now_mono = time.monotonic() if now_mono is None else now_mono
-        deadline_in = None if request.deadline is None else request.deadline - now_mono
-        return cls(rank, request.devices, request.layout, request.leave, request.source,
-                   request.reason[:MAX_REASON], now_wall - (now_mono - request.received_at), deadline_in)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "Proposal":
-        return cls(**{**d, "leave": tuple(d.get("leave") or ())})
-
-
-@dataclass(frozen=True)
-class Slot:
-    """What one rank contributes at a boundary: its request, if any, and whether it runs the listening sources
-    (control server, watched file), so the ranks notice when the process that ran them has left."""
-
-    proposal: Proposal | None = None
-    listening: bool = False
-
-
-def encode_slot(slot: Slot, size: int = SLOT_BYTES) -> torch.Tensor:
-    """A ``size``-byte uint8 tensor: 4 bytes of length, then the slot as JSON."""
-    body = {"proposal": None if slot.proposal is None else asdict(slot.proposal), "listening": slot.listening}
-    data = json.dumps(body, separators=(",", ":")).encode()
-    if len(data) + 4 > size:
-        raise ValueError(f"a scale request of {len(data)} bytes does not fit the {size}-byte agreement slot")
-    out = torch.zeros(size, dtype=torch.uint8)
-    out[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
-    out[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
-
-
-def decode_slot(tensor: torch.Tensor) -> Slot:
-    raw = bytes(tensor.tolist())
-    body = json.loads(raw[4:4 + int.from_bytes(raw[:4], "little")].decode())
-    proposal = body["proposal"]
-    return Slot(None if proposal is None else Proposal.from_dict(proposal), bool(body["listening"]))
-
-
-@dataclass(frozen=True)
-class MergedRequest:
-    """What all ranks agreed was asked: one target (or none: a bare preemption) and every leaving rank."""
-
-    devices: int | None
-    layout: str | None
-    leave: tuple[int, ...]
-    source: str                  # the source of the winning target ("preemption" when only ranks leave)
-    reason: str
-    origin_rank: int
-    wall_time: float             # when the winning request was received (earliest preemption when no target)
-    sources: tuple[str, ...]     # every source that contributed, in rank order
-    deadline_in: float | None = None
-
-    def describe(self) -> str:
-        return describe_request(self.devices, self.layout, self.leave)
-
-
-def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | None:
-    """The one request every rank acts on; the same on every rank whatever the order of ``proposals``."""
-    got = sorted((p for p in proposals if p is not None), key=lambda p: p.rank)
-    if not got:
-        return None
-    leave = tuple(sorted({r for p in got for r in p.leave}))
-    deadlines = [p.deadline_in for p in got if p.deadline_in is not None]
-    targeted = [p for p in got if p.devices is not None or p.layout is not None]
-    # Latest wins; equal times (the same trace entry on every rank) go to the lowest rank.
-    win = max(targeted, key=lambda p: (p.wall_time, -p.rank)) if targeted else \
-        min(got, key=lambda p: (p.wall_time, p.rank))
-    sources = tuple(dict.fromkeys(p.source for p in got))
-    return MergedRequest(
-        devices=win.devices if targeted else None, layout=win.layout if targeted else None, leave=leave,
-        source=win.source, reason=win.reason, origin_rank=win.rank, wall_time=win.wall_time, sources=sources,
-        deadline_in=min(deadlines) if deadlines else None,
-    )
-
-
-# ---------------------------------------------------------------------------------------------- decision
-@dataclass
-class Decision:
-    """What the job did about one agreed request. ``action``: ``switch``, ``keep`` or ``reject``."""
-
-    step: int
-    action: str
-    request: str
-    source: str
-    reason: str
-    target: str | None = None
-    leave: tuple[int, ...] = ()
-    sources: tuple[str, ...] = ()
-    signal_to_decision_s: float | None = None
-    agreement_s: float | None = None
-    report_index: int | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The target a merged request turns into, or why there is none (``target`` None)."""
-
-    action: str
-    target: ParallelConfig | None
-    reason: str
-
-
-def plan_target(merged: MergedRequest, current: ParallelConfig, world: int, *,
-                planner: Callable[[int, tuple[int, ...]], Any], can_change_world: bool) -> Plan:
-    """Turn the agreed request into a target layout (pure apart from ``planner``).
-
-    ``planner(count, leave)`` returns a `LayoutDecision` for ``count`` devices (ValueError when it cannot
-    plan). ``can_change_world``: the strategy can add or drop processes (its ``request_switch`` takes ``leave``).
-    """
-    leave = merged.leave
-    if merged.layout is not None:
-        target = ParallelConfig.parse(merged.layout)
-        if target == current and not leave:
-            return Plan("keep", None, f"already on {current.short()}")
-        reason = f"layout {target.short()} requested"
-    else:
-        count = merged.devices if merged.devices is not None else world - len(leave)
-        if count < 1:
-            raise ValueError(f"ranks {','.join(map(str, leave))} leave and no process would be left")
-        decision = planner(count, leave)
-        target = decision.target
-        if not decision.changes and not leave:
-            return Plan("keep", None, decision.reason)
-        reason = f"planner, {count} device(s): {decision.reason}"
-    if (target.world_size != world or leave) and not can_change_world:
-        raise ValueError(f"{NEEDS_ELASTIC}: {merged.describe()} asks to run on {target.world_size} of "
-                         f"{world} processes")
-    return Plan("switch", target, reason)
-
-
-def workload_for(trainer: pl.Trainer) -> Workload:
-    """The planner's view of the job: the model, and sequence length and batch sizes from the data module."""
-    strategy = trainer.strategy
-    config = strategy.model_config() if hasattr(strategy, "model_config") else None
-    if config is None:
-        raise ValueError("the layout planner needs the model config: the LightningModule has no `model_config`")
-    data = getattr(trainer, "datamodule", None)
-    missing = [a for a in ("seq_len", "global_batch_size", "micro_batch_size") if not hasattr(data, a)]
-    if missing:
-        raise ValueError(f"the layout planner needs {', '.join(missing)} from the data module (a LlamaDataModule)")
-    policy = getattr(strategy, "mp_policy", None)
-    compute = _dtype_name(getattr(policy, "param_dtype", None)) or \
-        ("bfloat16" if "bf16" in str(trainer.precision) else "float32")
-    reduce = _dtype_name(getattr(policy, "reduce_dtype", None)) or "float32"
-    # pp only for a module the strategy can run as a pipeline (docs/pipeline.md).
-    pipeline = callable(getattr(getattr(trainer, "lightning_module", None), "pipeline_loss", None))
-    return Workload(config, seq_len=data.seq_len, global_batch=data.global_batch_size,
-                    micro_batch=data.micro_batch_size, compute_dtype=compute, reduce_dtype=reduce,
-                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)), pipeline=pipeline)
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def accepts_leave(request_switch: Callable) -> bool:
-    try:
-        params = inspect.signature(request_switch).parameters
-    except (TypeError, ValueError):
-        return False
-    return "leave" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-# ---------------------------------------------------------------------------------------------- callback
 class ElasticCallback(pl.Callback):
     """Rescale or re-layout a `DynaTrainStrategy` run when resources change.
 
@@ -292,9 +97,9 @@ class ElasticCallback(pl.Callback):
         self.max_devices = max_devices
         self.trace_entries = list(trace or [])
         TraceSource(self.trace_entries, max_devices)  # a bad trace fails here, before any training
-        self.watch = _watch_options(watch_file)
-        self.control = _options(control, "control", {"host", "port", "token", "token_file", "allow_remote"})
-        self.preemption = _options(preemption, "preemption", {"signum", "grace_seconds"})
+        self.watch = watch_options(watch_file)
+        self.control = source_options(control, "control", {"host", "port", "token", "token_file", "allow_remote"})
+        self.preemption = source_options(preemption, "preemption", {"signum", "grace_seconds"})
         self.check_every_n_steps = check_every_n_steps
         self.policy = LayoutPolicy(horizon_steps=horizon_steps, fixed_seconds=switch_fixed_seconds)
         self.device_spec = dict(memory_bytes=int(device_memory_gb * GiB), per_node=devices_per_node,
@@ -401,7 +206,7 @@ class ElasticCallback(pl.Callback):
         if self.preemption is not None:
             # Here and not in setup: Lightning installs its own SIGTERM handler during setup, which would stop
             # training instead of scaling in; ours replaces it and puts it back on close.
-            signum = _signum(self.preemption.get("signum", signal.SIGTERM))
+            signum = signal_number(self.preemption.get("signum", signal.SIGTERM))
             self._preemption_source = PreemptionSource(self.hub, rank, signum,
                                                        float(self.preemption.get("grace_seconds", 30.0)))
         if rank == 0 and not getattr(trainer.strategy, "local_only", False):
@@ -456,11 +261,11 @@ class ElasticCallback(pl.Callback):
             return str(opts["token"])
         if opts.get("token_file"):
             self.token_file = Path(opts["token_file"])
-            return _read_or_create_token(self.token_file)
+            return read_or_create_token(self.token_file)
         if os.environ.get(TOKEN_ENV):
             return os.environ[TOKEN_ENV]
         self.token_file = run_dir / "control.token"
-        return _read_or_create_token(self.token_file, fresh=True)
+        return read_or_create_token(self.token_file, fresh=True)
 
     # ---- the boundary -------------------------------------------------------------------------------------
     def check(self, trainer: pl.Trainer, step: int) -> Decision | None:
@@ -509,15 +314,8 @@ class ElasticCallback(pl.Callback):
         return previous
 
     def _exchange(self, trainer: pl.Trainer, slot: Slot) -> list[Slot]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return [slot]
         # An elastic world may give its control traffic a group of its own; None is the default group.
-        group = getattr(trainer.strategy, "control_group", None)
-        size = dist.get_world_size(group)
-        gathered = torch.empty(size * SLOT_BYTES, dtype=torch.uint8)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, encode_slot(slot), group=group)
-        return [decode_slot(gathered[i * SLOT_BYTES:(i + 1) * SLOT_BYTES]) for i in range(size)]
+        return all_gather_slots(slot, getattr(trainer.strategy, "control_group", None))
 
     def _decide(self, trainer: pl.Trainer, merged: MergedRequest, step: int) -> Decision:
         strategy = trainer.strategy
@@ -566,53 +364,3 @@ class ElasticCallback(pl.Callback):
             rank_zero_info(text + f"layout kept: {decision.reason}")
         else:
             rank_zero_info(text + f"switching to {decision.target}: {decision.reason}")
-
-
-# ---------------------------------------------------------------------------------------------- options
-def _options(value: bool | dict | None, name: str, keys: set[str]) -> dict | None:
-    if value is None or value is False:
-        return None
-    if value is True:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{name} must be true, false or a mapping of {', '.join(sorted(keys))}; got {value!r}")
-    unknown = sorted(set(value) - keys)
-    if unknown:
-        raise ValueError(f"{name}: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(keys))}")
-    return dict(value)
-
-
-def _watch_options(value: str | os.PathLike | dict | None) -> dict | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        return {"path": os.fspath(value)}
-    opts = _options(value, "watch_file", {"path", "poll_seconds"})
-    if not opts or not opts.get("path"):
-        raise ValueError(f"watch_file needs a path, got {value!r}")
-    return opts
-
-
-def _signum(value: int | str) -> signal.Signals:
-    if isinstance(value, str):
-        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
-        try:
-            return signal.Signals[name]
-        except KeyError:
-            raise ValueError(f"unknown signal {value!r}") from None
-    return signal.Signals(value)
-
-
-def _read_or_create_token(path: Path, fresh: bool = False) -> str:
-    """The token in ``path``; a new random one written there (owner-only) when missing or ``fresh``."""
-    if path.exists() and not fresh:
-        token = path.read_text().strip()
-        if not token:
-            raise ValueError(f"token file {path} is empty")
-        return token
-    token = secrets.token_urlsafe(24)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token

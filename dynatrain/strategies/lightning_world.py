@@ -1,0 +1,129 @@
+"""What a world change does to Lightning: ranks, devices, rank-zero duties, loggers, and a process that left.
+
+The bytes move in `world_switch` (current members) and `joiner` (a new process); both run the same plan, built
+from the same inputs. Lightning is told about the new world here: the cluster environment reports the process's
+new rank and world size, `rank_zero_only` follows it, the progress bar moves to the new rank 0, and every logger
+keeps the run's version so the new rank 0 writes into the same run directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+if TYPE_CHECKING:
+    from dynatrain.strategies.dynatrain import DynaTrainStrategy
+
+
+class ElasticEnvironment(LightningEnvironment):
+    """Rank and world size set by the job's world generation; the device (local rank) never changes."""
+
+    def __init__(self, global_rank: int, world_size: int, local_rank: int) -> None:
+        super().__init__()
+        self._fixed_local_rank = local_rank
+        self.set_world_size(world_size)
+        self.set_global_rank(global_rank)
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    def local_rank(self) -> int:
+        return self._fixed_local_rank
+
+    def node_rank(self) -> int:
+        return 0
+
+
+def forget_old_meshes() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches. They key a DeviceMesh by its rank layout,
+    not by this process's rank or groups: after a world change, an op on a mesh of the same shape would otherwise
+    get back tensors of an old generation's mesh (a stale rank, dead groups), which DCP and `full_tensor` read."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
+
+
+def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None:
+    """Make Lightning see this process as ``rank`` of ``world_size`` (a new generation: no old mesh survives in
+    DTensor's caches)."""
+    forget_old_meshes()
+    env = strategy.cluster_environment
+    if not isinstance(env, ElasticEnvironment):
+        local = env.local_rank() if env is not None else 0
+        env = strategy.cluster_environment = ElasticEnvironment(rank, world_size, local)
+    was_zero = rank_zero_only.rank == 0
+    env.set_world_size(world_size)
+    env.set_global_rank(rank)
+    strategy.parallel_devices = [strategy.root_device] * world_size
+    rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+    trainer = strategy._lightning_module.trainer if strategy._lightning_module is not None else None
+    bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+    if bar is not None:
+        bar.enable() if rank == 0 else bar.disable()
+    if rank == 0 and not was_zero:
+        take_over_logging(trainer)
+
+
+def logger_versions(trainer: pl.Trainer | None) -> list[Any]:
+    """Each logger's version on this process (forcing its choice), to hand to a new rank 0."""
+    if trainer is None:
+        return []
+    out = []
+    for lg in trainer.loggers:
+        if isinstance(lg, WandbLogger):
+            out.append(lg.experiment.id if rank_zero_only.rank == 0 else lg._id)
+        else:
+            out.append(getattr(lg, "version", None))
+    return out
+
+
+def adopt_logger_versions(trainer: pl.Trainer | None, versions: list[Any]) -> None:
+    if trainer is None:
+        return
+    for lg, v in zip(trainer.loggers, versions):
+        if v is None:
+            continue
+        if isinstance(lg, WandbLogger):
+            lg._id = v
+            lg._wandb_init.update(id=v, resume="allow")  # a new rank 0 continues the run, not a new one
+        elif hasattr(lg, "_version"):
+            lg._version = v
+
+
+def take_over_logging(trainer: pl.Trainer | None) -> None:
+    """On a process that just became rank 0: open the run's CSV log without erasing what was written."""
+    if trainer is None:
+        return
+    for lg in trainer.loggers:
+        if not isinstance(lg, CSVLogger) or lg._experiment is not None:
+            continue
+        path = Path(lg.log_dir) / "metrics.csv"
+        rows = path.read_text() if path.is_file() else None
+        writer = lg.experiment  # Lightning's writer deletes an existing metrics file when it opens the directory
+        if rows:
+            path.write_text(rows)
+            writer.metrics_keys = next(csv.reader(io.StringIO(rows)))
+
+
+def detach(strategy: "DynaTrainStrategy", trainer: pl.Trainer | None) -> None:
+    """A process that left: no model, no group; Lightning winds its loop down without collectives."""
+    strategy.detached = True
+    strategy.elastic.stop_heartbeat()
+    strategy._meshes.clear()
+    strategy._device_mesh = None
+    if trainer is not None:
+        trainer.should_stop = True
+    rank_zero_only.rank = fabric_rank_zero_only.rank = -1  # this process logs nothing more

@@ -1,0 +1,190 @@
+"""Switch requests: checked at once (a bad target raises ValueError and nothing changes), queued, and run at an
+optimizer-step boundary; a scale-out waits there, across boundaries, until enough joiners are ready, and is planned
+in the background meanwhile (`prepare`)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from dynatrain.engine.verify import SwitchVerificationError
+from dynatrain.strategies.capture import check_switchable
+from dynatrain.strategies.pipeline import check_pipeline_module
+from dynatrain.strategies.prepare import MemberPrep
+from dynatrain.strategies.recovery import WorldChangeError
+from dynatrain.strategies.report import SwitchReport
+from dynatrain.strategies.same_world import switch_in_world
+from dynatrain.strategies.states import capture_states
+from dynatrain.strategies.world_switch import WorldSwitch, change_inputs
+from dynatrain.vps.parallel_config import ParallelConfig
+
+if TYPE_CHECKING:
+    from dynatrain.strategies.switcher import Switcher
+
+
+@dataclass
+class Pending:
+    target: ParallelConfig
+    leave: tuple[int, ...]
+    requested_at: float
+    wait: bool = False  # a scale-out holds training at its boundary until its joiners are ready (or time out)
+
+
+def check_target(switcher: "Switcher", target: str | ParallelConfig, world_size: int | None = None
+                 ) -> ParallelConfig:
+    """Parse and validate a target against the devices, the model and the global batch."""
+    strategy = switcher.strategy
+    world_size = strategy.world_size if world_size is None else world_size
+    target = ParallelConfig.parse(target).validate(strategy.model_config(), world_size)
+    if target.pp > 1:
+        check_pipeline_module(strategy.lightning_module)
+        n_layers = getattr(strategy.model_config(), "n_layers", None)
+        stages = target.pp * strategy.stages_per_rank
+        if n_layers is not None and stages > n_layers:
+            raise ValueError(f"{target.short()} with {strategy.stages_per_rank} stage(s) per rank needs {stages} "
+                             f"pipeline stages of at least one layer, and the model has {n_layers}: use a "
+                             f"smaller pp")
+    datamodule = getattr(switcher.trainer, "datamodule", None) if switcher.trainer else None
+    if datamodule is not None and hasattr(datamodule, "accumulation_for"):
+        try:
+            datamodule.accumulation_for(target.dp_size)
+        except ValueError as e:
+            raise ValueError(f"cannot switch to {target.short()}: {e}") from None
+    return target
+
+
+def check_world(switcher: "Switcher", target: ParallelConfig, leave: tuple[int, ...]) -> None:
+    """A world change needs the elastic manager, known leavers and room under max_devices."""
+    strategy = switcher.strategy
+    world = strategy.world_size
+    bad = [r for r in leave if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"leave={list(leave)}: ranks {bad} are not in the current world of {world} processes")
+    if target.world_size == world and not leave:
+        return
+    if strategy.elastic is None:
+        raise ValueError(
+            f"{target.short()} needs dp_replicate*dp_shard*tp = {target.world_size} devices, but there are "
+            f"{world}: changing the number of processes needs an elastic job (DynaTrainStrategy(elastic=...), "
+            "started with `dynatrain fit --elastic.max_devices N`)"
+        )
+    cap = strategy.elastic.config.max_devices
+    if cap is not None and target.world_size > cap:
+        raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
+
+
+def _check_module(switcher: "Switcher", target: ParallelConfig, probe: bool = False) -> None:
+    """Refuse now what the switch could not carry: the module's states, and its parallelisation for ``target``
+    (run on meta; the result is kept for the switch)."""
+    strategy = switcher.strategy
+    if getattr(strategy, "lightning_module", None) is None:
+        return  # nothing set up yet: the module is checked when the switch runs
+    check_switchable(strategy.lightning_module, strategy.optimizers)
+    captured = capture_states(switcher, strategy.lightning_module, switcher.optimizer())
+    switcher.targets.check(target, captured, probe=probe)
+
+
+def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: bool = False) -> ParallelConfig:
+    leave = tuple(sorted({int(r) for r in leave}))
+    parsed = ParallelConfig.parse(target)
+    check_world(switcher, parsed, leave)
+    target = check_target(switcher, parsed, world_size=parsed.world_size)
+    _check_module(switcher, target, probe=parsed.world_size != switcher.strategy.world_size or bool(leave))
+    switcher.pending = Pending(target, leave, time.monotonic(), wait)
+    switcher.prepared = None
+    if switcher.trainer is None or not switcher.trainer.training:
+        run_pending(switcher)
+    return target
+
+
+def run_pending(switcher: "Switcher") -> SwitchReport | None:
+    """Run the pending request if it can run now; a scale-out waits (across boundaries) for its joiners."""
+    p = switcher.pending
+    if p is None:
+        return None
+    strategy = switcher.strategy
+    if p.target.world_size == strategy.world_size and not p.leave:
+        switcher.pending = None
+        with _refusable(switcher, p):
+            return switch_in_world(switcher, p.target)
+        return None
+    change = f"world change {strategy.parallel_config.short()} -> {p.target.short()}"
+    try:
+        joiners = _agree_on_joiners(switcher, p)
+        while joiners is None and p.wait:  # every rank waits alike: each round is one broadcast from rank 0
+            time.sleep(0.2)
+            joiners = _agree_on_joiners(switcher, p)
+        if joiners is None:
+            return None  # not enough joiners ready yet: ask again at the next boundary
+        switcher.pending = None
+        if joiners == "drop":
+            switcher.prepared = None
+            rank_zero_warn(f"scale-out to {p.target.short()} dropped: not enough joiners got ready within "
+                           f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
+                           f"{strategy.world_size} processes")
+            return None
+        shrink = strategy.world_size - p.target.world_size + len(joiners)
+        leaving = (f"ranks {sorted(p.leave)}" if p.leave else
+                   f"{shrink} process(es) chosen by the planner" if shrink > 0 else "none")
+        rank_zero_info(f"{change}: leaving {leaving}; admitting joiners {joiners or 'none'}")
+        with _refusable(switcher, p):
+            return WorldSwitch(switcher, p.target, p.leave, joiners).run()
+        return None
+    except (RuntimeError, TimeoutError) as e:
+        if isinstance(e, SwitchVerificationError):
+            raise
+        # A peer that died, or a joiner that vanished, shows up as a collective or rendezvous timeout.
+        raise WorldChangeError(
+            f"{change} failed: a process of the job did not take part within the "
+            f"{strategy.elastic.config.timeout:.0f}s elastic timeout (it died or hung); this process stops "
+            f"instead of training on partial state. Restart from the last checkpoint. Cause: {e}"
+        ) from e
+
+
+@contextmanager
+def _refusable(switcher: "Switcher", p: Pending):
+    """A request that fails to plan (every rank computes the same plan, so all fail alike) before any state
+    moved is refused with a warning; training goes on on the current layout."""
+    try:
+        yield
+    except ValueError as e:
+        if switcher.released:
+            raise
+        rank_zero_warn(f"switch to {p.target.short()} refused, training goes on as "
+                       f"{switcher.strategy.parallel_config.short()}: {e}")
+
+
+def _agree_on_joiners(switcher: "Switcher", p: Pending):
+    """Rank 0 reads the ready joiners from the store; every rank gets its decision (one broadcast)."""
+    strategy = switcher.strategy
+    need = p.target.world_size - (strategy.world_size - len(p.leave))
+    if need <= 0:
+        return []
+    decision = None
+    if strategy.global_rank == 0:
+        manager = strategy.elastic
+        ready = manager.ready_joiners()
+        if len(ready) >= need:
+            decision = ready[:need]
+        elif time.monotonic() - p.requested_at > manager.config.join_timeout:
+            for m in ready:
+                manager.drop_joiner(m, f"the scale-out to {p.target.short()} timed out")
+            decision = "drop"
+        if switcher.prepared is not None:
+            switcher.prepared.publish(manager.store)
+    decision = strategy.broadcast(decision)
+    if decision is None:
+        _prepare(switcher, p)
+    return decision
+
+
+def _prepare(switcher: "Switcher", p: Pending) -> None:
+    """While a scale-out waits for its joiners: plan it in the background, for whichever joiners come (see
+    `prepare`)."""
+    inputs = change_inputs(switcher, p.target, p.leave, None)
+    if switcher.prepared is None or switcher.prepared.inputs != inputs:
+        switcher.prepared = MemberPrep(inputs)

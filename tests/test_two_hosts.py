@@ -1,0 +1,212 @@
+"""Two hosts rehearsed on one machine: two network namespaces joined by a veth pair, each with its own address.
+
+Host A runs the job's store and one torchrun member; host B runs the other torchrun member and two processes
+started with `dynatrain join`. The recipe's trace scales the job 2 -> 4 -> 3 across the two hosts, and the
+strategy verifies every switch bitwise (``verify_switches``). Needs root (network namespaces); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).parent / "workers"
+IP = shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None)
+STORE_PORT, TORCHRUN_PORT = 29400, 29500  # free in namespaces this test has just created
+JOB_TIMEOUT = 240.0
+
+
+@dataclass(frozen=True)
+class Host:
+    netns: str
+    ifname: str  # the veth end inside the namespace: gloo binds to it (GLOO_SOCKET_IFNAME)
+    addr: str
+
+    def cmd(self, *argv: str) -> list[str]:
+        return [IP, "netns", "exec", self.netns, *argv]
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([IP, *args], capture_output=True, text=True, timeout=30)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.213-10.220 that no address or route of this machine overlaps."""
+    shown = _ip("-4", "-o", "addr", "show").stdout + _ip("-4", "route", "show", "table", "all").stdout
+    taken = [ipaddress.ip_network(m, strict=False) for m in re.findall(r"\b\d+\.\d+\.\d+\.\d+(?:/\d+)?", shown)]
+    for second in range(213, 221):
+        net = ipaddress.ip_network(f"10.{second}.0.0/24")
+        if not any(net.overlaps(t) for t in taken if t.prefixlen > 0):
+            return net
+    pytest.skip("two-host rehearsal: every 10.213-10.220 /24 subnet is in use on this machine")
+
+
+@pytest.fixture
+def two_hosts():
+    if IP is None:
+        pytest.skip("two-host rehearsal: the `ip` command (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("two-host rehearsal: creating network namespaces needs root (run `make test` as root)")
+    tag = f"dt{os.getpid()}"
+    net = _free_subnet()
+    a_addr, b_addr = (str(net.network_address + i) for i in (1, 2))
+    a = Host(f"{tag}a", f"{tag}va", a_addr)
+    b = Host(f"{tag}b", f"{tag}vb", b_addr)
+    setup = [("netns", "add", a.netns), ("netns", "add", b.netns),
+             ("link", "add", a.ifname, "type", "veth", "peer", "name", b.ifname),
+             ("link", "set", a.ifname, "netns", a.netns), ("link", "set", b.ifname, "netns", b.netns),
+             ("-n", a.netns, "addr", "add", f"{a.addr}/{net.prefixlen}", "dev", a.ifname),
+             ("-n", b.netns, "addr", "add", f"{b.addr}/{net.prefixlen}", "dev", b.ifname),
+             ("-n", a.netns, "link", "set", "lo", "up"), ("-n", b.netns, "link", "set", "lo", "up"),
+             ("-n", a.netns, "link", "set", a.ifname, "up"), ("-n", b.netns, "link", "set", b.ifname, "up")]
+    try:
+        for i, args in enumerate(setup):
+            done = _ip(*args)
+            if done.returncode != 0:
+                msg = f"`ip {' '.join(args)}` failed: {done.stderr.strip()}"
+                if i == 0:  # no namespace may be created here (a container without CAP_NET_ADMIN, say)
+                    pytest.skip(f"two-host rehearsal: network namespaces are not permitted here: {msg}")
+                raise AssertionError(msg)
+        yield a, b
+    finally:
+        for host in (a, b):
+            _ip("netns", "delete", host.netns)  # takes the veth end inside it along
+        _ip("link", "delete", a.ifname)  # only still here when the set-up stopped before moving it
+        left = _ip("netns", "list").stdout + _ip("link", "show").stdout
+        assert tag not in left, f"the rehearsal's namespaces or veth pair are still there:\n{left}"
+
+
+def _recipe(tmp_path: Path) -> Path:
+    """The debug elastic recipe, small: one process per host at start, a trace 2 -> 4 -> 3, switches verified."""
+    cfg = yaml.safe_load((REPO / "recipes/llama-debug-elastic.yaml").read_text())
+    trainer = cfg["trainer"]
+    trainer.update(devices=1, num_nodes=2, max_steps=6, log_every_n_steps=1, default_root_dir=str(tmp_path / "run"))
+    strategy = trainer["strategy"]["init_args"]
+    strategy.update(parallel="dp_shard=2", verify_switches=True,
+                    elastic={"max_devices": 4, "join_timeout": 120.0, "timeout": 60.0})
+    elastic = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ElasticCallback"))
+    elastic["init_args"].update(trace=[{"step": 2, "devices": 4}, {"step": 4, "devices": 3}], max_devices=4)
+    # The trace's callback and the step printer only: snapshots or a reference run would only add time here.
+    trainer["callbacks"] = [c for c in trainer["callbacks"] if c["class_path"].endswith(("ElasticCallback",
+                                                                                       "StepPrinter"))]
+    trainer["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                          "init_args": {"save_dir": str(tmp_path / "run"), "name": "csv"}}]
+    cfg["model"]["model_overrides"] = {"n_layers": 2}
+    cfg["data"].update(seq_len=64, global_batch_size=12, micro_batch_size=1, max_corpus_bytes=400_000)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class Processes:
+    """The processes of the rehearsal, each in a session of its own (torchrun's workers included), logged to files."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.finished: set[str] = set()
+
+    def start(self, name: str, cmd: list[str], env: dict, cwd: Path) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def tails(self, chars: int = 2500) -> str:
+        return "\n".join(f"----- {n} (status {p.poll()}):\n{self.log(n)[-chars:]}" for n, p in self.procs.items())
+
+    def wait(self, names: list[str], deadline: float, until=None) -> None:
+        """Until every process of ``names`` has exited, or ``until()`` holds. Fails at once when a process exits
+        with an error, or one not waited for exits (any of ``names`` too while ``until`` does not hold yet)."""
+        while not (until() if until else all(self.procs[n].poll() is not None for n in names)):
+            failed = [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
+            gone = [n for n, p in self.procs.items()
+                    if p.poll() is not None and n not in self.finished and (until or n not in names)]
+            assert not failed and not gone, f"{failed or gone} exited (waiting for {names})\n{self.tails()}"
+            assert time.monotonic() < deadline, f"{names} not done in time\n{self.tails()}"
+            time.sleep(0.1)
+        if not until:
+            self.finished.update(names)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            proc.wait(timeout=30)
+
+
+def test_a_job_scales_across_two_hosts_with_torchrun_members_and_dynatrain_join(two_hosts, tmp_path):
+    a, b = two_hosts
+    venv_bin = Path(sys.executable).parent
+    token = "two-hosts-" + os.urandom(8).hex()
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    endpoint = f"{a.addr}:{STORE_PORT}"
+    recipe = _recipe(tmp_path)
+    job_argv = ["fit", "--config", str(recipe)]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
+    base.update(PYTHONPATH=os.pathsep.join([str(REPO), str(WORKERS)]), OMP_NUM_THREADS="1", WANDB_MODE="offline",
+                PYTHONUNBUFFERED="1", DYNATRAIN_ENDPOINT=endpoint, DYNATRAIN_TOKEN=token)
+    env = {host: dict(base, GLOO_SOCKET_IFNAME=host.ifname) for host in (a, b)}
+    procs = Processes(tmp_path)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    try:
+        # Host A: the store, listening on A's address only.
+        ep_file = tmp_path / "store.ep"
+        procs.start("store", a.cmd(sys.executable, "-m", "dynatrain.elastic.store", "--host", a.addr, "--port",
+                                   str(STORE_PORT), "--endpoint-file", str(ep_file)),
+                    dict(env[a], DYNATRAIN_STORE_TOKEN=token), tmp_path)
+        procs.wait(["store"], deadline, until=ep_file.exists)
+        assert ep_file.read_text().strip() == endpoint
+        # Host B: two processes join the job. They get ready before the members start, so the scale-out scripted
+        # for step 2 finds them there. torchrun members store no command line: the joiners are given it.
+        for i in (1, 2):
+            procs.start(f"join{i}", b.cmd(str(venv_bin / "dynatrain"), "join", "--endpoint", endpoint,
+                                          "--token-file", str(token_file), "--", *job_argv), env[b], tmp_path)
+        procs.start("ready", a.cmd(sys.executable, str(WORKERS / "two_hosts.py"), "--joiners", "2",
+                                   "--timeout", str(int(deadline - time.monotonic()))), env[a], tmp_path)
+        procs.wait(["ready"], deadline)
+        assert procs.procs["ready"].returncode == 0, procs.tails()
+        # One torchrun per host: node 0 on A hosts torchrun's own rendezvous, node 1 on B.
+        for node, host in enumerate((a, b)):
+            procs.start(f"torchrun{node}", host.cmd(
+                str(venv_bin / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                "--master-addr", a.addr, "--master-port", str(TORCHRUN_PORT), "-m", "dynatrain.cli", *job_argv),
+                env[host], tmp_path)
+        procs.wait(["torchrun0", "torchrun1", "join1", "join2"], deadline)
+        failed = {n: p.returncode for n, p in procs.procs.items() if n != "store" and p.returncode != 0}
+        assert not failed, f"{failed}\n{procs.tails()}"
+    finally:
+        procs.stop_all()
+
+    jsonl = list((tmp_path / "run").rglob("switches.jsonl"))
+    assert len(jsonl) == 1, procs.tails()
+    records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
+    assert [(r["old_world_size"], r["world_size"]) for r in records] == [(2, 4), (4, 3)], procs.tails()
+    assert all(r["verified"] is True for r in records), records
+    logs = "".join(procs.log(n) for n in procs.procs)
+    assert logs.count("verified bitwise") == 2, procs.tails()
