@@ -57,8 +57,6 @@ def test_no_import_cycle_between_modules():
 def test_pure_layers_import_no_models_lightning_or_process_group():
     for layer in ("vps", "planner"):
         for path in (PKG / layer).rglob("*.py"):
-            if layer == "planner" and path.name == "layouts.py":
-                continue  # the layout policy prices the zoo's models (its own layer in the architecture)
             bad = [m for m in _imports(path, top_level_only=False)
                    if m.startswith(("dynatrain.models", "lightning", "torch"))]
             assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}"
@@ -68,3 +66,36 @@ def test_strategies_never_import_callbacks():
     for path in (PKG / "strategies").rglob("*.py"):
         bad = [m for m in _imports(path, top_level_only=False) if m.startswith("dynatrain.callbacks")]
         assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}"
+
+
+# The layers of docs/architecture.md, lowest first: a module imports only from tiers below its own (or from its own
+# package). Callbacks sit above the strategy: they talk to it, it never imports them.
+TIERS = [
+    {"vps", "memory", "loggers"},
+    {"models", "planner", "data"},
+    {"engine", "signals", "elastic", "moe_lm"},
+    {"policy", "launcher", "llama_lm"},
+    {"strategies"},
+    {"callbacks", "registration"},
+    {"selfcheck"},
+    {"cli"},
+]
+
+
+def test_every_import_goes_down_the_layers():
+    tier = {name: i for i, names in enumerate(TIERS) for name in names}
+    graph = _graph(top_level_only=False)
+    unplaced = sorted({m.split(".")[1] for m in graph if m.count(".") >= 1} - set(tier))
+    assert not unplaced, f"place {unplaced} in TIERS"
+    upward = []
+    for module, targets in graph.items():
+        if module == "dynatrain":
+            continue  # the package root registers the strategy for Lightning users: it sits above every layer
+        here = module.split(".")[1]
+        for target in targets:
+            if target == "dynatrain":
+                continue  # `from dynatrain import engine` names a submodule, counted under its own name
+            there = target.split(".")[1]
+            if there != here and tier[there] >= tier[here]:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that do not go down the layers: " + ", ".join(sorted(upward))
