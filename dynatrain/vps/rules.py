@@ -78,7 +78,18 @@ def _shards_from_ranges(ranges: list[list[tuple[int, int]]], dp_shard: int, s: i
             picked.append((lo + x - pos, lo + y - pos, x - a))
         pos += n
     local_shape = (b - a,) + tuple(sum(hi - lo for lo, hi in r) for r in ranges[1:])
-    # The other dimensions: every non-empty global range with its offset in the local tensor.
+    others = _other_dims(ranges)
+    boxes, offsets = [], []
+    for row_lo, row_hi, row_off in picked:
+        for l, h, o in others:
+            boxes.append(Box._trusted((row_lo,) + l, (row_hi,) + h))
+            offsets.append((row_off,) + o)
+    return LocalShards(tuple(boxes), tuple(offsets), local_shape)
+
+
+def _other_dims(ranges: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, ...], ...]]:
+    """The dimensions after the first: every combination of their non-empty global ranges, as (lo, hi, offset in
+    the local tensor) per dimension."""
     others: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [((), (), ())]
     for dim_ranges in ranges[1:]:
         nxt = []
@@ -88,12 +99,7 @@ def _shards_from_ranges(ranges: list[list[tuple[int, int]]], dp_shard: int, s: i
                 nxt += [(l + (lo,), h + (hi,), o + (col_off,)) for l, h, o in others]
             col_off += hi - lo
         others = nxt
-    boxes, offsets = [], []
-    for row_lo, row_hi, row_off in picked:
-        for l, h, o in others:
-            boxes.append(Box._trusted((row_lo,) + l, (row_hi,) + h))
-            offsets.append((row_off,) + o)
-    return LocalShards(tuple(boxes), tuple(offsets), local_shape)
+    return others
 
 
 def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> LocalShards:
@@ -115,15 +121,7 @@ def _st_arrays(ranges: list[list[tuple[int, int]]], dp_shard: int):
     x = np.maximum(a[:, None], row_pos[None, :])
     y = np.minimum(b[:, None], (row_pos + row_n)[None, :])
     s_idx, j_idx = np.nonzero(x < y)  # row-major: by s, then row range
-    others: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [((), (), ())]
-    for dim_ranges in ranges[1:]:
-        nxt = []
-        col_off = 0
-        for lo, hi in dim_ranges:
-            if hi > lo:
-                nxt += [(l + (lo,), h + (hi,), o + (col_off,)) for l, h, o in others]
-            col_off += hi - lo
-        others = nxt
+    others = _other_dims(ranges)
     n_o, ndim = len(others), len(ranges)
     o_lo = np.array([l for l, _, _ in others], dtype=np.int64).reshape(n_o, ndim - 1)
     o_hi = np.array([h for _, h, _ in others], dtype=np.int64).reshape(n_o, ndim - 1)
