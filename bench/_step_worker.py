@@ -1,4 +1,5 @@
-"""One rank of the step-time benchmark: LlamaLM under a given strategy, writes its optimizer-step times."""
+"""One rank of the step-time benchmark: LlamaLM under a given strategy, or the hand-written FSDP2 loop of
+`_fsdp_loop.py`; writes its optimizer-step times."""
 
 import argparse
 import os
@@ -30,7 +31,10 @@ class StepClock(pl.Callback):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--strategy", choices=["dynatrain", "lightning"], required=True)
+    ap.add_argument("--strategy", choices=["dynatrain", "lightning", "fsdp-loop"], required=True)
+    ap.add_argument("--compile", default=None, help="torch.compile backend per block (dynatrain and fsdp-loop)")
+    ap.add_argument("--every", type=int, default=0,
+                    help="checkpoint every n-th block (selective:n; 1 = full; dynatrain and fsdp-loop)")
     ap.add_argument("--model", default="debug")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
@@ -39,10 +43,26 @@ def main() -> None:
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     dp = world // args.tp
+    if args.strategy == "fsdp-loop":
+        import torch.distributed as dist
+
+        from _fsdp_loop import run_loop
+
+        if args.tp != 1:
+            raise SystemExit("the hand-written loop is pure FSDP: --tp 1")
+        dist.init_process_group("gloo")
+        times = run_loop(args.model, args.steps, args.seq_len, args.micro_batch, args.every, args.compile)
+        dist.barrier()
+        finish_rank(args.out, {"step_times": times[1:]})  # as the callback's: from the end of the first step
+        return
     if args.strategy == "lightning":
+        if args.compile or args.every:
+            raise SystemExit("ModelParallelStrategy runs the model as LlamaLM parallelises it: no --compile/--every")
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.tp)
     else:
-        strategy = dynatrain.DynaTrainStrategy(parallel=f"dp_shard={dp},tp={args.tp}")
+        ac = "none" if not args.every else "full" if args.every == 1 else f"selective:{args.every}"
+        strategy = dynatrain.DynaTrainStrategy(parallel=f"dp_shard={dp},tp={args.tp}", compile=args.compile or False,
+                                               activation_checkpointing=ac)
     clock = StepClock()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

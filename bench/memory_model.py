@@ -10,7 +10,10 @@ predicts (weights, gradients, optimizer moments, FSDP's gathered parameters, act
 nothing of the allocator's caching. Everything runs in float32 (the CPU default here): ``compute_dtype`` and
 ``reduce_dtype`` are float32 in the prediction too.
 
+A layout ending in ``+sp`` runs with sequence parallelism (tp > 1), predicted with ``sequence_parallel=True``.
+
     python bench/memory_model.py [--model debug] [--seq-len 256] [--micro-batch 4] [--json out.json]
+    python bench/memory_model.py --layouts "tp=2+sp;dp_shard=2,tp=2+sp" --json bench/results/memory_model/debug_sp.json
 """
 
 from __future__ import annotations
@@ -44,9 +47,12 @@ def _worker(args) -> None:
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
-    pcfg = ParallelConfig.parse(args.layout)
+    layout, sp = _split_sp(args.layout)
+    pcfg = ParallelConfig.parse(layout)
     mesh = init_mesh(pcfg)
     cfg = MODEL_CONFIGS[args.model]
+    if args.n_layers:
+        cfg = cfg.with_overrides(n_layers=args.n_layers)
     gen = torch.Generator().manual_seed(dist.get_rank() // pcfg.tp)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq_len), generator=gen)
     labels = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq_len), generator=gen)
@@ -56,7 +62,8 @@ def _worker(args) -> None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.device("meta"):
                 model = Transformer(cfg)
-            parallelize_llama(model, mesh, pcfg, loss_parallel=pcfg.tp > 1, activation_checkpointing=policy)
+            parallelize_llama(model, mesh, pcfg, loss_parallel=pcfg.tp > 1, activation_checkpointing=policy,
+                              sequence_parallel=sp)
             materialize_model(model, "cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
             for _ in range(2):
@@ -79,14 +86,25 @@ def _worker(args) -> None:
     finish_rank(args.out, peaks)
 
 
+def _split_sp(layout: str) -> tuple[str, bool]:
+    """``dp_shard=2,tp=2+sp`` -> (``dp_shard=2,tp=2``, sequence parallel)."""
+    return (layout[:-3], True) if layout.endswith("+sp") else (layout, False)
+
+
 def _predict(layout: str, policy: str, args) -> dict:
     from dynatrain.policy import Workload, estimate_memory
     from dynatrain.vps.parallel_config import ParallelConfig
 
+    layout, sp = _split_sp(layout)
     cfg = ParallelConfig.parse(layout)
-    work = Workload(args.model, seq_len=args.seq_len, global_batch=args.micro_batch * cfg.dp_size,
+    from dynatrain.models.specs import get_zoo_config
+
+    model = get_zoo_config(args.model)
+    if args.n_layers:
+        model = model.with_overrides(n_layers=args.n_layers)
+    work = Workload(model, seq_len=args.seq_len, global_batch=args.micro_batch * cfg.dp_size,
                     micro_batch=args.micro_batch, compute_dtype="float32", reduce_dtype="float32",
-                    activation_checkpointing=policy)
+                    activation_checkpointing=policy, sequence_parallel=sp)
     m = estimate_memory(cfg, work)
     return {"total": m.total, "states": m.states, "grads": m.grads, "gathered": m.gathered,
             "activations": m.activations, "logits": m.logits}
@@ -96,6 +114,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="debug")
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--n-layers", type=int, default=0, help="override the model's layer count")
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--layouts", default=";".join(LAYOUTS),
                     help="';'-separated layouts")
@@ -114,11 +133,11 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts.split(";"):
-            n = ParallelConfig.parse(layout).world_size
+            n = ParallelConfig.parse(_split_sp(layout)[0]).world_size
             started = time.perf_counter()
             results = launch_local([str(HERE / "memory_model.py"), "--worker", "--layout", layout, "--model",
                                     args.model, "--seq-len", str(args.seq_len), "--micro-batch",
-                                    str(args.micro_batch), "--policies", args.policies],
+                                    str(args.micro_batch), "--policies", args.policies, "--n-layers", str(args.n_layers)],
                                    n, Path(tmp), timeout=900, name="memory")
             for policy in args.policies.split(","):
                 measured = max(r[policy]["peak_bytes"] for r in results)

@@ -26,22 +26,28 @@ class LaunchError(RuntimeError):
     pass
 
 
+# What a rank of dynatrain's own workers imports first: a launch with ``preload=PRELOAD`` pays it once.
+PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "dynatrain")
+
+
 def launch_local(
     argv: list[str], nprocs: int, workdir: Path, timeout: float = 600.0, env: dict[str, str] | None = None,
-    name: str = "worker", grace: float = 2.0, may_die: Collection[int] = (),
+    name: str = "worker", grace: float = 2.0, may_die: Collection[int] = (), preload: Collection[str] = (),
 ) -> list[dict | None]:
     """Run ``python <argv> --out <file>`` on ``nprocs`` ranks; return each rank's JSON result in rank order.
 
     On a failure or timeout every rank is killed and the error carries the tail of each rank's log; after a
     rank fails, the others get ``grace`` seconds to report their side of it first. Ranks in ``may_die`` are
-    expected to be killed (fault injection): their exit is no failure and their result is None.
+    expected to be killed (fault injection): their exit is no failure and their result is None. With
+    ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
+    (`dynatrain.forked_ranks`), where the platform can fork.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
-    procs = []
+    envs = []
     for rank in range(nprocs):
         rank_env = dict(os.environ)
         rank_env.update(env or {})
@@ -51,9 +57,15 @@ def launch_local(
         )
         rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
         rank_env.setdefault("WANDB_MODE", "offline")
-        with open(logs[rank], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, *argv, "--out", str(outs[rank])], env=rank_env,
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        envs.append(rank_env)
+    if preload and hasattr(os, "fork"):
+        procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload)
+    else:
+        procs = []
+        for rank in range(nprocs):
+            with open(logs[rank], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, *argv, "--out", str(outs[rank])], env=envs[rank],
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
         # Every process is polled each round: `any` over poll() would stop at the first live rank and never notice
@@ -72,16 +84,19 @@ def launch_local(
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for p in procs:
+            getattr(p, "close", lambda: None)()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in may_die]
     if failed:
-        raise LaunchError(f"{name}: ranks {failed} failed\n" + _tails(logs))
+        zygote = _tails([procs[0].zygote_log], "zygote", skip_empty=True) if isinstance(procs[0], _ForkedRank) else ""
+        raise LaunchError(f"{name}: ranks {failed} failed\n" + _tails(logs) + ("\n" + zygote if zygote else ""))
     return [json.loads(o.read_text()) if o.exists() and r not in may_die else None for r, o in enumerate(outs)]
 
 
 def launch_elastic(
     argv: list[str], nprocs: int, workdir: Path, joiners: "int | list[list[str]]" = 0, timeout: float = 600.0,
     env: dict[str, str] | None = None, name: str = "elastic", grace: float = 2.0, may_die: Collection[int] = (),
-    joiners_may_die: bool = False,
+    joiners_may_die: bool = False, preload: Collection[str] = (),
 ) -> tuple[list[dict | None], list[dict | None]]:
     """An elastic job on this machine: the job's store, ``nprocs`` ranks, and joining processes.
 
@@ -89,7 +104,8 @@ def launch_elastic(
     admission (``DYNATRAIN_JOIN=1``); each scale-out admits as many as it needs. Returns (the ranks' results in
     rank order, the joiners' results). On a failure or timeout every process is killed and the error carries
     the tail of each one's log. Ranks in ``may_die`` (and every joiner, with ``joiners_may_die``) are expected
-    to be killed by a fault injection: their result is None.
+    to be killed by a fault injection: their result is None. ``preload``: as for `launch_local`, for the ranks
+    (a joiner starts as a process of its own, as on a cluster).
     """
     import secrets
 
@@ -116,7 +132,7 @@ def launch_elastic(
                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         try:
             members = launch_local(argv, nprocs, workdir, timeout=timeout, env=env, name=name, grace=grace,
-                                   may_die=may_die)
+                                   may_die=may_die, preload=preload)
         except LaunchError as e:
             raise LaunchError(str(e) + _tails(logs, "joiner")) from None
         # The joiners finish with the members' last collective; a grace covers their exit.
@@ -148,15 +164,62 @@ def teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
+class _ForkedRank:
+    """A rank forked by the zygote of `dynatrain.forked_ranks`, polled like a `subprocess.Popen`: its status is
+    the one the zygote wrote on reaping it; if the zygote is gone without writing one, the rank is gone too."""
+
+    def __init__(self, zygote: subprocess.Popen, log: Path, zygote_log: Path) -> None:
+        self.zygote, self.rc_file, self.zygote_log = zygote, Path(f"{log}.rc"), zygote_log
+        self.pid = zygote.pid  # the process group every rank is in
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.rc_file.exists():
+                self.returncode = int(self.rc_file.read_text())
+            elif self.zygote.poll() is not None and not self.rc_file.exists():
+                self.returncode = self.zygote.returncode or -signal.SIGKILL
+        return self.returncode
+
+    def wait(self) -> int:
+        self.zygote.wait()
+        return self.poll()
+
+    def close(self) -> None:
+        if self.zygote.poll() is None:
+            os.killpg(self.zygote.pid, signal.SIGKILL)
+        self.zygote.wait()
+
+
+def _fork_ranks(argv: list[str], envs: list[dict], outs: list[Path], logs: list[Path], stem: Path,
+                preload: Collection[str]) -> list[_ForkedRank]:
+    from dynatrain.forked_ranks import SINGLE_THREADED
+
+    spec = {"preload": list(preload),
+            "ranks": [{"argv": [*argv, "--out", str(out)], "env": env, "log": str(log)}
+                      for out, env, log in zip(outs, envs, logs)]}
+    spec_file, zygote_log = Path(f"{stem}-zygote.json"), Path(f"{stem}-zygote.log")
+    spec_file.write_text(json.dumps(spec))
+    zygote_env = {**envs[0], **SINGLE_THREADED}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+        zygote_env.pop(key, None)  # nothing imported may read a rank's identity
+    with open(zygote_log, "w") as log:
+        zygote = subprocess.Popen([sys.executable, "-m", "dynatrain.forked_ranks", str(spec_file)], env=zygote_env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return [_ForkedRank(zygote, log, zygote_log) for log in logs]
+
+
 def finish_rank(out: str | Path, result: dict) -> None:
     """Write this rank's JSON result for `launch_local`, then tear the process group down."""
     Path(out).write_text(json.dumps(result))
     teardown_distributed()
 
 
-def _tails(logs: list[Path], what: str = "rank", n: int = 40) -> str:
+def _tails(logs: list[Path], what: str = "rank", n: int = 40, skip_empty: bool = False) -> str:
     parts = []
     for r, log in enumerate(logs):
         lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        if skip_empty and not lines:
+            continue
         parts.append(f"--- {what} {r} ({log}) ---\n" + "\n".join(lines[-n:]))
     return "\n".join(parts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dynatrain.launcher import LaunchError, launch_local
+from dynatrain.launcher import PRELOAD, LaunchError, launch_local
 from dynatrain.launcher import launch_elastic as launch_elastic_local
 
 WORKERS = Path(__file__).parent / "workers"
@@ -16,7 +16,7 @@ def launch(script: str, nprocs: int, args: list[str], tmp_path: Path, timeout: f
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     try:
         return launch_local([str(WORKERS / script), *args], nprocs, tmp_path, timeout=timeout, env=env,
-                            name=Path(script).stem)
+                            name=Path(script).stem, preload=PRELOAD)
     except LaunchError as e:
         raise AssertionError(str(e)) from None
 
@@ -29,7 +29,7 @@ def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, jo
     try:
         return launch_elastic_local([str(WORKERS / script), *args], nprocs, tmp_path, joiners=list(joiners),
                                     timeout=timeout, env=env, name=Path(script).stem, grace=grace,
-                                    may_die=may_die)
+                                    may_die=may_die, preload=PRELOAD)
     except LaunchError as e:
         raise AssertionError(str(e)) from None
 

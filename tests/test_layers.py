@@ -73,7 +73,7 @@ def test_strategies_never_import_callbacks():
 TIERS = [
     {"vps", "memory", "loggers"},
     {"models", "planner", "data"},
-    {"engine", "signals", "elastic", "moe_lm"},
+    {"engine", "signals", "elastic", "moe_lm", "forked_ranks"},
     {"policy", "launcher", "llama_lm"},
     {"strategies"},
     {"callbacks", "registration"},

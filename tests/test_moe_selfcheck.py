@@ -1,5 +1,5 @@
-"""`dynatrain selfcheck --model moe-debug`: ep changes, a tp layout and a scale-in of the zoo's MoE model, each
-switch bitwise equal to the DCP oracle and the next step too."""
+"""`dynatrain selfcheck --model moe-debug`: ep changes, a tp layout, a scale-in and a scale-out to HSDP with ep of the
+zoo's MoE model, each switch bitwise equal to the DCP oracle and the next step too."""
 
 import json
 import subprocess
@@ -11,26 +11,29 @@ from dynatrain.cli.selfcheck import zoo_config
 
 # moe-debug's routing is skewed enough that in its second layer an ep rank's experts get no token at all from its
 # third step on: that rank must still join both all-to-alls of the backward.
-SEQUENCE = "dp_shard=4,ep=4 > dp_shard=4,ep=2 > dp_shard=2,tp=2 > dp_shard=2,ep=2"
+# The scale-out at the end admits two new processes into replicated expert shards.
+SEQUENCE = "dp_shard=4,ep=4 > dp_shard=4,ep=2 > dp_shard=2,tp=2 > dp_shard=2,ep=2 > dp_replicate=2,dp_shard=2,ep=2"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_moe_selfcheck_switches_ep_tp_and_world_bitwise():
     cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--model", "moe-debug",
-           "--switches", SEQUENCE, "--steps-between", "2", "--json", "--timeout", "170"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=190)
+           "--switches", SEQUENCE, "--steps-between", "2", "--json", "--timeout", "260"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["ok"] and result["model"] == "moe-debug" and result["worlds"] == [4, 4, 4, 2]
+    assert result["ok"] and result["model"] == "moe-debug" and result["worlds"] == [4, 4, 4, 2, 4]
+    assert result["joiners"] == 2
     switches = result["switches"]
-    assert [(s["from"], s["to"]) for s in switches] == [
-        ("dp_shard=4,ep=4", "dp_shard=4,ep=2"), ("dp_shard=4,ep=2", "dp_shard=2,tp=2"),
-        ("dp_shard=2,tp=2", "dp_shard=2,ep=2")]
+    assert [(s["from"], s["to"], s["world_to"]) for s in switches] == [
+        ("dp_shard=4,ep=4", "dp_shard=4,ep=2", 4), ("dp_shard=4,ep=2", "dp_shard=2,tp=2", 4),
+        ("dp_shard=2,tp=2", "dp_shard=2,ep=2", 2), ("dp_shard=2,ep=2", "dp_replicate=2,dp_shard=2,ep=2", 4)]
     assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in switches)
-    assert [s["compared_on"] for s in switches] == [4, 4, 2]
+    # the whole new world loaded the oracle's checkpoint, the joiners of the scale-out included
+    assert [s["compared_on"] for s in switches] == [4, 4, 2, 4]
     assert all(s["bytes_moved"] > 0 for s in switches)
-    assert result["loss_max_rel_diff"] <= 1e-5 and len(result["losses"]) == 8
+    assert result["loss_max_rel_diff"] <= 1e-5 and len(result["losses"]) == 10
 
 
 def test_selfcheck_knows_the_moe_zoo_and_refuses_an_ep_that_does_not_divide_the_experts():

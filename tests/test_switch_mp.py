@@ -60,8 +60,10 @@ def test_ten_switches_do_not_grow_memory(tmp_path):
                                        "--micro-batch", "1", "--switches", switches, "--budget-mb", "1"], tmp_path)
     assert len(res["reports"]) == 10 and all(r["verified"] for r in res["reports"])
     rss = res["rss"]
-    # After a few switches to warm allocator pools, RSS stays flat.
-    assert rss[-1] <= 1.05 * rss[4], [round(x / 2**20, 1) for x in rss]
+    # After a few switches to warm allocator pools, RSS stays flat. One sample jitters by about 4% (the heap's
+    # trimming, the layout of the moment): the means of three samples compare, so a growth of 5% over the last six
+    # switches fails and the jitter does not.
+    assert sum(rss[-3:]) <= 1.05 * sum(rss[2:5]), [round(x / 2**20, 1) for x in rss]
     # Meshes are reused when a layout comes back: sockets and threads of process groups do not pile up.
     assert res["fds"][-1] <= res["fds"][4], res["fds"]
     assert res["threads"][-1] <= res["threads"][4], res["threads"]

@@ -6,10 +6,9 @@ import types
 
 import pytest
 import torch
-from _launch import launch, launch_elastic, selfcheck_module
+from _launch import launch, selfcheck_module
 
 from dynatrain.strategies.capture import BUFFER, capture, check_switchable
-from dynatrain.vps import ParallelConfig
 
 SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
 
@@ -20,7 +19,9 @@ def _switches(layouts: list[str]) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("optimizer,build_in", [("adamw", "init"), ("sgd", "configure"), ("amsgrad", "init")])
+# Adam's states (with amsgrad's third) and SGD's momentum, the module built in __init__ and in configure_model();
+# plain AdamW adds nothing a switch treats differently (its states are amsgrad's less one).
+@pytest.mark.parametrize("optimizer,build_in", [("sgd", "configure"), ("amsgrad", "init")])
 def test_a_user_module_switches_through_every_layout_and_trains_as_without_switches(tmp_path, optimizer, build_in):
     common = ["--layout", "dp_shard=4", "--steps", "5", "--optimizer", optimizer, "--build-in", build_in]
     static = launch("user_switch.py", 4, common, tmp_path / "static")
@@ -36,31 +37,6 @@ def test_a_user_module_switches_through_every_layout_and_trains_as_without_switc
         # the buffer the loop changes, the LR schedule and the optimizer's kinds of state carried over
         assert res["logit_scale"] == ref["logit_scale"] and res["lr"] == ref["lr"]
         assert res["state_keys"] == ref["state_keys"]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_a_user_module_scales_in_and_out_with_a_joining_process(tmp_path):
-    """4 -> 3 -> 4 processes: one leaves with its shards sent, then a new process joins and receives its own, its
-    module parallelised by its own configure_model(); every switch bitwise, losses as a fixed 4-process run."""
-    common = ["--layout", "dp_shard=4", "--steps", "6", "--user-model", "adamw"]
-    [static, *_] = launch("elastic.py", 4, [*common, "--static"], tmp_path / "static")
-    members, joiners = launch_elastic("elastic.py", 4, [*common, "--switches", "2:dp_shard=3;4:dp_shard=2,tp=2"],
-                                      tmp_path / "elastic", joiners=[[]], timeout=420)
-    leavers = [p for p in members if p["left"]]
-    assert len(leavers) == 1 and leavers[0]["reports"][0]["world_size"] == 0  # sent its shards and left
-    survivors = [p for p in members if not p["left"]] + joiners
-    assert sorted(p["global_rank"] for p in survivors) == [0, 1, 2, 3]
-    for p in survivors:
-        assert p["layout"] == "dp_shard=2,tp=2" and p["world_size"] == 4 and p["global_step"] == 6, p
-        assert all(r["verified"] for r in p["reports"])
-        assert p["logit_scale"] == static["logit_scale"]
-    first = next(p for p in survivors if p["global_rank"] == 0)
-    assert [r["world_size"] for r in first["reports"]] == [3, 4]
-    losses, ref = first["losses"], static["losses"]
-    assert len(losses) == len(ref) == 6
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), (losses, ref)
-    assert abs(joiners[0]["losses"][-1] - ref[-1]) <= 1e-5 * abs(ref[-1])
 
 
 @pytest.mark.multiprocess
@@ -122,11 +98,10 @@ def test_tied_weights_a_factored_optimizer_and_two_optimizers_are_refused():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layouts", [
-    ["dp_shard=4", *SEQUENCE],
-    ["dp_shard=4", "dp_shard=3", "dp_shard=2,tp=2"],  # an elastic job: one process leaves, a new one joins
-], ids=["fixed-world", "elastic"])
-def test_selfcheck_module_checks_a_users_own_module_against_the_dcp_oracle(layouts):
-    # every switch equals the DCP oracle bit for bit, and so does the step after it (checked by the helper)
+def test_selfcheck_module_checks_a_users_own_module_through_a_scale_in_and_out_against_the_dcp_oracle():
+    """4 -> 3 -> 4 processes: one leaves with its shards sent, then a new process joins and builds its module by its
+    own configure_model(); every switch equals the DCP oracle bit for bit, and so does the step after it (checked
+    by the helper). The fixed-world layouts of this module are held by the test above."""
+    layouts = ["dp_shard=4", "dp_shard=3", "dp_shard=2,tp=2"]
     result = selfcheck_module("user_model:UserLM", layouts)
-    assert result["worlds"] == [ParallelConfig.parse(p).world_size for p in layouts]
+    assert result["worlds"] == [4, 3, 4] and result["joiners"] == 1

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynatrain.launcher import LaunchError, launch_local
+from dynatrain.launcher import PRELOAD, LaunchError, launch_local
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.moe_configs import MOE_CONFIGS
 from dynatrain.models.specs import get_zoo_config
@@ -122,7 +122,8 @@ def run(args) -> int:
                 common += [f"--{flag}", getattr(args, flag)]
         try:
             switching = _run_switching(common, devices, worlds, joiners, Path(tmp), args.timeout)
-            static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static")
+            static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static",
+                                  preload=PRELOAD)
         except LaunchError as e:
             print(f"selfcheck failed to run:\n{e}", file=sys.stderr)
             return 1
@@ -148,11 +149,12 @@ def _run_switching(common: list[str], devices: int, worlds: list[int], joiners: 
                    timeout: float) -> list[dict]:
     """Every process's result: the ranks of a fixed world, or an elastic job's members and joiners."""
     if all(w == devices for w in worlds):
-        return launch_local(common, devices, workdir, timeout=timeout, name="switching")
+        return launch_local(common, devices, workdir, timeout=timeout, name="switching", preload=PRELOAD)
     # The collectives' timeout is bounded so that a process that died surfaces as an error, not a long hang;
     # a joiner may wait for its scale-out as long as the whole run.
     argv = [*common, "--elastic", "--elastic-timeout", str(min(timeout, 300.0)), "--join-timeout", str(timeout)]
-    members, joined = launch_elastic(argv, devices, workdir, joiners=joiners, timeout=timeout, name="switching")
+    members, joined = launch_elastic(argv, devices, workdir, joiners=joiners, timeout=timeout, name="switching",
+                                     preload=PRELOAD)
     return members + joined
 
 

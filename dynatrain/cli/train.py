@@ -70,6 +70,32 @@ def check_layout(trainer, model, datamodule) -> None:
 
 
 class _DynaTrainCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--print-plan", "--print_plan", dest="print_plan", action="store_true",
+                            help="print the layout policy's prediction for this config (memory per device, step "
+                                 "time, tokens/s, the best layout on these devices) and exit without training: "
+                                 "status 0 when the layout fits, 1 when it cannot run")
+        parser.add_argument("--plan.memory_gb", type=float, default=80.0,
+                            help="with --print-plan: memory of one device, GB (default 80)")
+        parser.add_argument("--plan.tflops", type=float, default=989.0,
+                            help="with --print-plan: peak TFLOP/s of one device in the compute dtype (default 989)")
+        parser.add_argument("--plan.mfu", type=float, default=0.4,
+                            help="with --print-plan: the fraction of peak training reaches (default 0.4)")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config is None or not config.get("print_plan"):
+            return
+        from dynatrain.cli.print_plan import DeviceSpec, format_plan, plan_recipe
+
+        try:
+            plan = plan_recipe(config, DeviceSpec(config.plan.memory_gb, config.plan.tflops, config.plan.mfu))
+        except ValueError as e:
+            print(f"dynatrain {self.subcommand}: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(format_plan(plan))
+        raise SystemExit(0 if plan.fits else 1)  # a script can gate a submission on it
+
     def _check(self) -> None:
         try:
             check_layout(self.trainer, self.model, self.datamodule)

@@ -49,7 +49,7 @@ def _moe_layer_bytes(model: MoEConfig, work: Workload, tp: int) -> tuple[float, 
     routed = k * (2 * e * h + 4 * e * model.moe_ffn_dim)
     shared = 4 * e * model.shared_ffn_dim
     final_norm = (4 + e) * h / (tp if work.sequence_parallel else 1)
-    return norms + attention + scores + router + routed + shared, final_norm
+    return norms + attention + scores + router + routed + shared + _gathered_inputs(model, work, tp), final_norm
 
 
 def _dense_layer_bytes(model: ModelConfig, work: Workload, tp: int) -> tuple[float, float]:
@@ -69,20 +69,27 @@ def _dense_layer_bytes(model: ModelConfig, work: Workload, tp: int) -> tuple[flo
     # Without a fused kernel the scores and the softmax of every head are kept: a row of seq_len per head.
     scores = 0 if work.fused_attention else 2 * e * model.n_heads * s / tp
     final_norm = (4 + e) * h / (tp if work.sequence_parallel else 1)
-    return norms + sharded + scores, final_norm
+    return norms + sharded + scores + _gathered_inputs(model, work, tp), final_norm
+
+
+def _gathered_inputs(model: ModelConfig | MoEConfig, work: Workload, tp: int) -> float:
+    # Under sequence parallelism the attention's and the FFN's inputs are all-gathered over the sequence, and the
+    # first matmul of each keeps that whole tensor for its weight gradient: replicated on every TP rank.
+    return 2 * DTYPE_ITEMSIZE[work.compute_dtype] * model.dim if work.sequence_parallel and tp > 1 else 0.0
 
 
 def _op_saved_bytes(model: ModelConfig | MoEConfig, work: Workload, tp: int, per_layer: float) -> float:
     """Bytes per token a block checkpointed per op keeps (`models.checkpointing`): the outputs of the 1st, 3rd,
     5th and 7th matmul (wq, wv, w1, w2; w2's is whole, a row-parallel partial sum under TP), of attention (its
-    output and fp32 log-sum-exp per head) and, with tp > 1, of the two all-reduces. For a MoE block, whose matmul
+    output and fp32 log-sum-exp per head) and, with tp > 1, of the two all-reduces (under sequence parallelism the
+    two reduce-scatters, split over the sequence; the all-gathers are recomputed). For a MoE block, whose matmul
     count depends on the routing, half its activations."""
     if isinstance(model, MoEConfig):
         return per_layer / 2
     e = DTYPE_ITEMSIZE[work.compute_dtype]
     h, kv = model.dim, model.n_kv_heads * model.head_dim
     saved = e * (h + kv + h + model.ffn_dim) / tp + 4 * model.n_heads / tp + e * h
-    return saved + (2 * e * h if tp > 1 else 0.0)
+    return saved + (2 * e * h / (tp if work.sequence_parallel else 1) if tp > 1 else 0.0)
 
 
 def checkpointed_layers(work: Workload, layers: int) -> int:
@@ -96,12 +103,17 @@ def _blocks_bytes(model: ModelConfig | MoEConfig, work: Workload, tp: int, layer
     under the workload's checkpointing. A checkpointed block keeps its input; its backward first recomputes its
     forward, so one block's activations (less what the op policy kept) exist again at a time."""
     per_layer, _ = _dense_layer_bytes(model, work, tp)
-    block_input = DTYPE_ITEMSIZE[work.compute_dtype] * model.dim / (tp if work.sequence_parallel else 1)
+    e = DTYPE_ITEMSIZE[work.compute_dtype]
+    block_input = e * model.dim / (tp if work.sequence_parallel else 1)
     k = checkpointed_layers(work, layers)
     if work.activation_checkpointing == "selective:op":
         saved = _op_saved_bytes(model, work, tp, per_layer)
         return layers * (block_input + saved), max(per_layer - saved, 0.0)
-    return (layers - k) * per_layer + k * block_input, per_layer if k else 0.0
+    # Measured, not derived: under sequence parallelism a block checkpointed whole still keeps about three
+    # sequence-gathered tensors per token (e*h each, on every TP rank; debug model, 8 layers: +19.5 MiB at tp=2,
+    # +23 MiB at tp=4 against the same layout without sequence parallelism, bench/results/memory_model/).
+    kept = block_input + (3 * e * model.dim if work.sequence_parallel and tp > 1 else 0.0)
+    return (layers - k) * per_layer + k * kept, per_layer if k else 0.0
 
 
 def _activation_bytes_per_token(model: ModelConfig | MoEConfig, work: Workload, tp: int) -> float:

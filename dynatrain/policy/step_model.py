@@ -130,12 +130,15 @@ def _pipeline_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: 
     link = (devices.network.intra_bytes_per_s if boundary_inside_node(cfg.world_size, devices.per_node)
             else inter_share(devices))
     # Per token: a block's matmuls and attention scores; the final norm and the output projection.
-    block_flops = (6 * whole.block + 12 * model.dim * work.seq_len) * (1 + recompute_fraction(work) / 3)
+    block_flops = 6 * whole.block + 12 * model.dim * work.seq_len
+    again = recompute_fraction(work) / 3  # a forward is a third of forward + backward
     head_flops = 6 * (whole.root - whole.embedding)
-    terms = []
+    rate = cfg.stage_size * devices.flops * devices.efficiency
+    terms, recomputes = [], []
     for load in pipeline_loads(model, cfg.pp):
-        flops = stage_params(load, block_flops, 0, head_flops)  # the embedding is a lookup: no matmul
-        compute = work.tokens_per_step * flops / cfg.stage_size / (devices.flops * devices.efficiency)
+        flops = stage_params(load, block_flops * (1 + again), 0, head_flops)  # the embedding is a lookup: no matmul
+        compute = work.tokens_per_step * flops / rate
+        recomputes.append(work.tokens_per_step * stage_params(load, block_flops * again, 0, 0) / rate)
         tp = micro_steps * (tp_all_reduces(load) * all_reduce + (logits if load.last else 0.0)) if cfg.tp > 1 else 0.0
         params = stage_params(load, sizes.block, sizes.embedding, sizes.root - sizes.embedding)
         gather = collective_seconds(params * ce, shard_group, devices, all_reduce=False) if cfg.dp_shard > 1 else 0.0
@@ -147,7 +150,7 @@ def _pipeline_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: 
                                 min(gather, cost.overlap * compute)))
     slowest, exposed, bubble = pipeline_step(terms, micro_steps)
     return StepTime(micro_steps, slowest.compute, exposed.fsdp, exposed.hsdp, slowest.tp, exposed.hidden,
-                    bubble=bubble, p2p=slowest.p2p)
+                    bubble=bubble, p2p=slowest.p2p, recompute=recomputes[terms.index(slowest)])
 
 
 def _expert_fsdp_seconds(cfg: ParallelConfig, sizes: ModelSizes, devices: Devices, work: Workload) -> float:

@@ -213,16 +213,17 @@ def run_scenarios(args) -> int:
 
 
 def _run_one(name: str, spec: dict, argv: list[str], workdir: Path, timeout: float) -> dict:
-    from dynatrain.launcher import LaunchError, launch_elastic, launch_local
+    from dynatrain.launcher import PRELOAD, LaunchError, launch_elastic, launch_local
 
     if "restart" not in spec:
         members, _ = launch_elastic(argv, spec["devices"], workdir, joiners=spec["joiners"], timeout=timeout,
-                                    name=name, grace=120, may_die=spec["victims"], joiners_may_die=True)
+                                    name=name, grace=120, may_die=spec["victims"], joiners_may_die=True,
+                                    preload=PRELOAD)
         return summarise(name, members, spec["steps"])
     # The fault must stop the job with a clear error, on every survivor, well within its timeout...
     try:
         launch_elastic(argv, spec["devices"], workdir, timeout=timeout, name=name, grace=120,
-                       may_die=spec["victims"])
+                       may_die=spec["victims"], preload=PRELOAD)
         return {"scenario": name, "recovered": False, "steps_lost": None, "state_equal_to_committed": False,
                 "error": "the job went on after losing a leaver mid-transfer"}
     except LaunchError as e:
@@ -233,5 +234,6 @@ def _run_one(name: str, spec: dict, argv: list[str], workdir: Path, timeout: flo
     layouts = argv.index("--layouts") + 1
     again = [*argv[:layouts], restart["layout"], *argv[layouts + 1:], "--restarted"]
     again.remove("--elastic")
-    members = launch_local(again, restart["devices"], workdir, timeout=timeout, name=f"{name}-restart")
+    members = launch_local(again, restart["devices"], workdir, timeout=timeout, name=f"{name}-restart",
+                           preload=PRELOAD)
     return summarise(name, members, spec["steps"])

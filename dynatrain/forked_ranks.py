@@ -1,0 +1,107 @@
+"""Start local ranks by forking one process that has already imported torch and Lightning.
+
+A rank started as ``python worker.py`` spends about 6 CPU seconds importing torch, Lightning and their imports
+(torchmetrics, scipy, dynamo) before it runs a line of its own; four ranks on two cores wait about 12 s for that.
+Here one parent process (the *zygote*) imports the named modules once and forks every rank from that state, so the
+imports are paid once per launch.
+
+Fork is safe here because the zygote is single-threaded when it forks: it runs no tensor op, and OpenBLAS (numpy's
+and scipy's, the only threads the imports start) is held to one thread. A rank then runs its script as
+``python script args`` would: its own environment, ``sys.argv``, ``__main__``, stdout and stderr to its log.
+
+The zygote stays in its process group with the ranks (killing the group kills every rank) and writes each rank's
+exit status to ``<log>.rc`` as it reaps it (the code, or minus the signal that killed it, as `subprocess` does).
+
+    python -m dynatrain.forked_ranks SPEC.json
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+# Set before the imports: a pool started by an import would not exist in the forked ranks.
+SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def rc_path(log: str | Path) -> Path:
+    return Path(f"{log}.rc")
+
+
+def _run_rank(rank: dict) -> None:
+    """In the forked child: become ``python <argv>`` (a script, or ``-m module``) with ``env``, output to ``log``;
+    never return."""
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(rank["env"])
+        fd = os.open(rank["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(threads))  # the zygote's libgomp read its own value at import
+        argv = list(rank["argv"])
+        try:
+            if argv[0] == "-m":  # python -m module args: argv[0] becomes the module's file, cwd leads the path
+                sys.argv = argv[1:]
+                sys.path[0] = os.getcwd()
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:  # python script args: the script's folder leads the path
+                sys.argv = argv
+                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()  # what the interpreter would run at exit; os._exit skips it
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _status(raw: int) -> int:
+    return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    for name in spec["preload"]:
+        importlib.import_module(name)
+    ranks = {}
+    for rank in spec["ranks"]:
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(rank)
+        ranks[pid] = rank
+    while ranks:
+        pid, raw = os.waitpid(-1, 0)
+        rank = ranks.pop(pid, None)
+        if rank is not None:
+            tmp = rc_path(rank["log"]).with_suffix(".rc.tmp")
+            tmp.write_text(str(_status(raw)))
+            os.replace(tmp, rc_path(rank["log"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
