@@ -24,7 +24,8 @@ def test_moe_selfcheck_switches_ep_tp_and_world_bitwise():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["model"] == "moe-debug" and result["worlds"] == [4, 4, 4, 2, 4]
-    assert result["joiners"] == 2
+    # the global batch is kept by every layout: lcm of the data-parallel sizes 4, 4, 2, 2, 4 times the micro-batch of 2
+    assert result["joiners"] == 2 and result["global_batch"] == 8
     switches = result["switches"]
     assert [(s["from"], s["to"], s["world_to"]) for s in switches] == [
         ("dp_shard=4,ep=4", "dp_shard=4,ep=2", 4), ("dp_shard=4,ep=2", "dp_shard=2,tp=2", 4),
