@@ -169,7 +169,9 @@ class _ForkedRank:
     the one the zygote wrote on reaping it; if the zygote is gone without writing one, the rank is gone too."""
 
     def __init__(self, zygote: subprocess.Popen, log: Path, zygote_log: Path) -> None:
-        self.zygote, self.rc_file, self.zygote_log = zygote, Path(f"{log}.rc"), zygote_log
+        from dynatrain.forked_ranks import rc_path
+
+        self.zygote, self.rc_file, self.zygote_log = zygote, rc_path(log), zygote_log
         self.pid = zygote.pid  # the process group every rank is in
         self.returncode: int | None = None
 

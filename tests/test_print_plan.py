@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynatrain.cli.print_plan import MODEL_ERROR, DeviceSpec, plan_recipe
+from dynatrain.cli.print_plan import MODEL_ERROR, DeviceSpec, format_plan, plan_recipe
 from dynatrain.cli.train import run_lightning_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def test_a_cluster_recipe_states_its_prediction_and_fits_80_gb_with_margin(recip
     code, out, err = _print_plan(["--config", str(recipe)], capsys)
     plan = plan_recipe(yaml.safe_load(recipe.read_text()), DeviceSpec(memory_gb=80))
     assert code == 0, err
-    assert plan.fits_with_margin, plan.as_dict()
+    assert plan.fits_with_margin, format_plan(plan)
     assert plan.layout.memory.total * (1 + MODEL_ERROR) <= plan.layout.memory_limit
     stated = [line for line in recipe.read_text().splitlines() if line.startswith("# --print-plan")]
     assert stated == [plan.headline()], "the recipe's header must state what --print-plan prints now"

@@ -67,22 +67,6 @@ class RecipePlan:
         return (f"# --print-plan ({self.spec.describe()}): {c.memory.total / GiB:.1f} GiB/device of "
                 f"{c.memory_limit / GiB:.1f} usable, {c.step_seconds:.2f} s/step, {c.tokens_per_second:,.0f} tokens/s")
 
-    def as_dict(self) -> dict:
-        def figures(c: LayoutCandidate | None) -> dict | None:
-            if c is None:
-                return None
-            out = {"layout": c.config.short(), "activation_checkpointing": c.checkpointing,
-                   "runnable": c.runnable, "excluded": c.excluded,
-                   "memory_gib": None if c.memory is None else round(c.memory.total / GiB, 2),
-                   "usable_gib": round(c.memory_limit / GiB, 2)}
-            if c.time is not None:
-                out.update(step_seconds=c.step_seconds, tokens_per_second=c.tokens_per_second)
-            return out
-
-        return {"model": self.model, "devices": self.nodes * self.per_node, "per_node": self.per_node,
-                "device": {"memory_gb": self.spec.memory_gb, "tflops": self.spec.tflops, "mfu": self.spec.mfu},
-                "recipe": figures(self.layout), "best": figures(self.best), "best_error": self.best_error}
-
 
 def _get(node, key, default=None):
     value = node.get(key, default) if isinstance(node, dict) else getattr(node, key, default)
