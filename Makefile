@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/dynatrain fit --config recipes/llama-debug-elastic.yaml --elastic.max_devices 4 --elastic.standby 2
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: setup
 	$(PY) bench/all.py

@@ -2,6 +2,8 @@
 
     python bench/all.py [--only step_time,step_profile,switch,restart,scale]
     python bench/all.py --only soak       # optional, not in the default run (about 15 minutes on 2 cores)
+    python bench/all.py --only lost_time  # optional (46 minutes on 2 cores)
+    python bench/all.py --only first_step # optional (2 minutes)
 
 Each script prints its tables and writes bench/results/<name>.json; this prints the wall time of each and of the
 whole run (goal: under 20 minutes on the 2-core development machine) and keeps each script's output in
@@ -33,6 +35,9 @@ BENCHMARKS = {
 # Run only when named in --only (too long for `make bench`).
 OPTIONAL = {
     "soak": ["bench/soak.py", "--switches", "200", "--devices", "4", "--json", "bench/results/soak.json"],
+    "lost_time": ["bench/lost_time.py", "--model", "125m", "--seq-len", "32", "--repeats", "5", "--json",
+                  "bench/results/lost_time/125m.json"],
+    "first_step": ["bench/first_step.py", "--json", "bench/results/first_step.json"],
 }
 
 

@@ -1,0 +1,329 @@
+"""Training time a device-count change loses: online switch against a cold and a warm checkpoint-and-restart.
+
+    python bench/lost_time.py --model 125m --repeats 5 --json bench/results/lost_time/125m.json
+
+Every trial runs one chain, ``dp_shard=4`` on 4 processes -> ``dp_shard=2`` on 2 -> ``dp_shard=4`` on 4, one of three
+ways (`bench/_lost_time_worker.py`):
+* **cold**: Lightning's `ModelParallelStrategy`; at the decision every process writes its share of a DCP checkpoint
+  (`trainer.save_checkpoint`) and exits, and a new launch on the new device count resumes from it: a restart as it
+  is done today.
+* **warm**: the same, but the processes the next world keeps stay alive: they destroy the process group, form the
+  next one and load the checkpoint in place (what an in-process restart would do); only the processes a scale-out
+  adds are new.
+* **online**: one elastic dynatrain job; at the decision it requests the switch (a scale-out goes on training on the
+  old world until its new processes are ready).
+
+**Lost time** of the change decided at the end of step k:
+``T(end of step k+m) - T0 - m * median step of the new world`` with ``T0`` the earlier of the end of step k and the
+start of any new process (for a scale-out the parent starts the new processes the moment rank 0 signals the
+decision, both ways, so their start-up and its CPU count), and the median taken over the ``--steady`` steps after
+k+m, same trial. Marks are ``time.time()`` written by every process on one machine clock; a step's end is its
+latest process's. The **first step** after a change is its first new-world step from its latest first micro-batch to
+its latest end, divided by the median of the same span over the steady steps.
+
+Trials run in a random order (``--seed``), ``--repeats`` of each way; each figure is reported as median and range.
+Four processes share the machine's cores: these figures are for what a change costs a job, not for bandwidth
+(`bench/switch.py` measures that on 2 processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from dynatrain.elastic.store import start_store
+from dynatrain.launcher import LaunchError, launch_local
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "_lost_time_worker.py")
+CHAIN = [("dp_shard=4", 4), ("dp_shard=2", 2), ("dp_shard=4", 4)]
+WAYS = ("cold", "warm", "online")
+
+
+# ---------------------------------------------------------------------------------------------- the schedule
+def base_argv(args, mode: str, tmp: Path, segment: int = 0) -> list[str]:
+    return [WORKER, "--mode", mode, "--chain", ",".join(f"{l}@{p}" for l, p in CHAIN), "--warmup", str(args.warmup),
+            "--m", str(args.m), "--steady", str(args.steady), "--segment", str(segment), "--signal-dir", str(tmp),
+            "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+            "--global-batch", str(args.global_batch)]
+
+
+def distinct_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Spawner:
+    """Starts the processes a scale-out adds the moment rank 0 signals its decision (a file in the trial's folder)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.procs, self.spawned, self._stop = tmp, [], {}, threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def on_decision(self, change: int, argvs_envs: list[tuple[list[str], dict]]) -> None:
+        t = threading.Thread(target=self._run, args=(change, argvs_envs), daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _run(self, change: int, argvs_envs) -> None:
+        signal = self.tmp / f"decided-{change}"
+        while not signal.exists():
+            if self._stop.wait(0.01):
+                return
+        self.spawned[change] = time.time()
+        for i, (argv, env) in enumerate(argvs_envs):
+            out, log = self.tmp / f"new-{change}-{i}.json", self.tmp / f"new-{change}-{i}.log"
+            with open(log, "w") as f:
+                proc = subprocess.Popen([sys.executable, *argv, "--out", str(out)], env=env, stdout=f,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append({"proc": proc, "out": out, "log": log})
+
+    def finish(self, timeout: float) -> list[dict]:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        results = []
+        for p in self.procs:
+            try:
+                p["proc"].wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p["proc"].kill()
+            if p["proc"].returncode != 0:
+                raise LaunchError(f"a started process failed ({p['proc'].returncode})\n" + _tail(p["log"]))
+            results.append(json.loads(Path(p["out"]).read_text()))
+        return results
+
+    def kill(self) -> None:
+        self._stop.set()
+        for p in self.procs:
+            if p["proc"].poll() is None:
+                p["proc"].kill()
+                p["proc"].wait()
+
+
+def _tail(log: Path, n: int = 30) -> str:
+    return "\n".join(Path(log).read_text(errors="replace").splitlines()[-n:]) if Path(log).exists() else ""
+
+
+def scale_outs() -> list[int]:
+    return [i for i in range(len(CHAIN) - 1) if CHAIN[i + 1][1] > CHAIN[i][1]]
+
+
+def rank_env(base: dict, rank: int, world: int, port: int) -> dict:
+    return {**os.environ, **base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
+            "PYTHONUNBUFFERED": "1"}
+
+
+ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+
+
+def run_cold(args, tmp: Path) -> dict:
+    ranks, launched = [], []
+    for s, (_, procs) in enumerate(CHAIN):
+        argv = base_argv(args, "cold", tmp, s) + ["--ckpt-dir", str(tmp)]
+        launched.append(time.time())
+        ranks += launch_local(argv, procs, tmp, timeout=args.timeout, env=ENV, name=f"cold-{s}")
+    return {"ranks": ranks, "spawned": {i: launched[i + 1] for i in range(len(CHAIN) - 1)}}
+
+
+def run_warm(args, tmp: Path) -> dict:
+    ports = distinct_ports(len(CHAIN))
+    argv = base_argv(args, "warm", tmp) + ["--ckpt-dir", str(tmp), "--ports", ",".join(map(str, ports))]
+    spawner = Spawner(tmp)
+    for i in scale_outs():
+        old, new = CHAIN[i][1], CHAIN[i + 1][1]
+        seg = base_argv(args, "warm", tmp, i + 1) + ["--ckpt-dir", str(tmp), "--ports", ",".join(map(str, ports))]
+        spawner.on_decision(i, [(seg, rank_env(ENV, r, new, ports[i + 1])) for r in range(old, new)])
+    try:
+        ranks = launch_local(argv, CHAIN[0][1], tmp, timeout=args.timeout, env=ENV, name="warm")
+        ranks += spawner.finish(args.timeout)
+    finally:
+        spawner.kill()
+    return {"ranks": ranks, "spawned": dict(spawner.spawned)}
+
+
+def run_online(args, tmp: Path) -> dict:
+    token = secrets.token_hex(8)
+    store = start_store(token, tmp, host="127.0.0.1")
+    env = {**ENV, "DYNATRAIN_ENDPOINT": store.endpoint, "DYNATRAIN_TOKEN": token}
+    spawner = Spawner(tmp)
+    for i in scale_outs():
+        joiner = base_argv(args, "online", tmp, i + 1)
+        spawner.on_decision(i, [(joiner, {**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"})
+                                for _ in range(CHAIN[i + 1][1] - CHAIN[i][1])])
+    try:
+        ranks = launch_local(base_argv(args, "online", tmp), CHAIN[0][1], tmp, timeout=args.timeout, env=env,
+                             name="online")
+        ranks += spawner.finish(args.timeout)
+    finally:
+        spawner.kill()
+        store.stop()
+    return {"ranks": ranks, "spawned": dict(spawner.spawned)}
+
+
+RUNNERS = {"cold": run_cold, "warm": run_warm, "online": run_online}
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def world_marks(ranks: list[dict]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per step, the latest first micro-batch and the latest end over every process that ran it."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for r in ranks:
+        for seg in r["segments"]:
+            for s, t in seg["starts"]:
+                starts[s] = max(starts.get(s, t), t)
+            for s, t in seg["ends"]:
+                ends[s] = max(ends.get(s, t), t)
+    return starts, ends
+
+
+def last_old_steps(way: str, ranks: list[dict], args) -> list[tuple[int, int]]:
+    """Per change: the step it was decided at and the last step the old world ran (the same step for a restart; for a
+    switch the step it ran after, later for a scale-out that waited for its new processes)."""
+    out, k = [], args.warmup
+    online = sorted({rep["step"] for r in ranks for rep in r.get("reports", [])})
+    for i in range(len(CHAIN) - 1):
+        last = online[i] if way == "online" else k
+        out.append((k, last))
+        k = last + args.m + args.steady
+    return out
+
+
+def measure(way: str, trial: dict, args) -> list[dict]:
+    starts, ends = world_marks(trial["ranks"])
+    out = []
+    for i, (k, last) in enumerate(last_old_steps(way, trial["ranks"], args)):
+        steady = range(last + args.m + 1, last + args.m + args.steady + 1)
+        step_s = [ends[s] - ends[s - 1] for s in steady]
+        span_s = [ends[s] - starts[s] for s in steady]
+        median_step = statistics.median(step_s)
+        t0 = min([ends[k]] + ([trial["spawned"][i]] if i in trial["spawned"] and way != "cold" else []))
+        m, first = last + args.m - k, last + 1
+        out.append({
+            "change": f"{CHAIN[i][0]}@{CHAIN[i][1]} -> {CHAIN[i + 1][0]}@{CHAIN[i + 1][1]}", "decided_at": k,
+            "old_world_steps_after_decision": last - k, "m": m, "t0_before_step_end_s": ends[k] - t0,
+            "lost_s": ends[k + m] - t0 - m * median_step, "median_step_s": median_step,
+            "steady_steps_s": step_s, "first_step_s": ends[first] - starts[first],
+            "first_step_ratio": (ends[first] - starts[first]) / statistics.median(span_s),
+        })
+    return out
+
+
+def compact(trial: dict) -> dict:
+    """The trial's raw marks, without what the figures do not use."""
+    keep = ("rank", "member", "start", "imported", "end", "left", "segments")
+    return {"spawned": trial["spawned"],
+            "ranks": [{**{k: r[k] for k in keep if k in r},
+                       "reports": [{k: rep[k] for k in ("step", "old_layout", "new_layout", "world_size", "phases",
+                                                        "stall_s", "bytes_moved", "prepared")}
+                                   for rep in r.get("reports", [])]} for r in trial["ranks"]]}
+
+
+def summarise(per_way: dict[str, list[list[dict]]]) -> list[dict]:
+    rows = []
+    n_changes = len(CHAIN) - 1
+    for i in range(n_changes):
+        row: dict = {"change": None}
+        for way, trials in per_way.items():
+            figs = [t[i] for t in trials]
+            row["change"] = figs[0]["change"]
+            row[way] = {key: spread([f[key] for f in figs]) for key in ("lost_s", "first_step_ratio", "median_step_s")}
+        if "online" in row:
+            for base in ("cold", "warm"):
+                if base in row:
+                    row[f"online_over_{base}"] = row["online"]["lost_s"]["median"] / row[base]["lost_s"]["median"]
+        rows.append(row)
+    return rows
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": xs}
+
+
+def table(rows: list[dict], ways: list[str]) -> str:
+    head = ["change"] + [f"{w} lost s" for w in ways] + [f"{w} first step / median" for w in ways]
+    head += [f"online / {b}" for b in ("cold", "warm") if f"online_over_{b}" in rows[0]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fmt = lambda d, p: f"{d['median']:.{p}f} ({d['min']:.{p}f} to {d['max']:.{p}f})"
+    for r in rows:
+        cells = [r["change"]] + [fmt(r[w]["lost_s"], 2) for w in ways]
+        cells += [fmt(r[w]["first_step_ratio"], 2) for w in ways]
+        cells += [f"{r[f'online_over_{b}']:.3f}" for b in ("cold", "warm") if f"online_over_{b}" in r]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="debug")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--global-batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the first decision")
+    ap.add_argument("--m", type=int, default=5, help="steps counted after the old world's last (>= 5)")
+    ap.add_argument("--steady", type=int, default=3, help="steps after those that give the new world's median")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--seed", type=int, default=0, help="of the trials' order")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--table-from", default=None, help="print the table of an earlier --json and exit")
+    args = ap.parse_args()
+    if args.table_from:
+        data = json.loads(Path(args.table_from).read_text())
+        ways = [w for w in data["args"]["ways"].split(",") if w in data["summary"][0]]
+        print(f"{data['trials_done']} of {len(data['order'])} trials")
+        print(table(data["summary"], ways))
+        return
+    if args.m < 5:
+        ap.error("--m must be at least 5: fewer steps do not leave a change room to finish")
+    ways = args.ways.split(",")
+    if unknown := set(ways) - set(WAYS):
+        ap.error(f"unknown --ways {sorted(unknown)}; choose from {', '.join(WAYS)}")
+    order = [w for w in ways for _ in range(args.repeats)]
+    random.Random(args.seed).shuffle(order)
+    per_way: dict[str, list] = {w: [] for w in ways}
+    raw, t_start = [], time.time()
+    for n, way in enumerate(order):
+        with tempfile.TemporaryDirectory(prefix=f"lost-{way}-") as d:
+            t = time.time()
+            trial = RUNNERS[way](args, Path(d))
+            figs = measure(way, trial, args)
+        per_way[way].append(figs)
+        raw.append({"way": way, "wall_s": time.time() - t, "load": os.getloadavg()[0], "figures": figs,
+                    **compact(trial)})
+        print(f"[{n + 1}/{len(order)}] {way}: " + "; ".join(f"{f['change']} lost {f['lost_s']:.2f} s, first step "
+                                                          f"x{f['first_step_ratio']:.2f}" for f in figs), flush=True)
+        if args.json:  # after every trial: a run cut short keeps what it measured, and says how far it got
+            write(args, order, n + 1, t_start, summarise({w: v for w, v in per_way.items() if v}), raw)
+    print(table(summarise(per_way), ways))
+
+
+def write(args, order: list[str], done: int, t_start: float, summary: list[dict], raw: list[dict]) -> None:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "command": "python " + " ".join(sys.argv), "args": vars(args), "order": order, "trials_done": done,
+        "wall_s": time.time() - t_start, "summary": summary, "trials": raw}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
