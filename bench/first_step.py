@@ -6,7 +6,10 @@ Two processes, one fixed world, switching along ``--chain`` every ``--every`` st
 nothing competes for the cores but the job). For each switch: the first step after it (first micro-batch to end,
 the slower rank) against the median of the steps after it, over ``--repeats`` unprofiled runs; then one profiled run
 where rank 0 profiles that first step and a later step of the same layout, and the operators whose self CPU time
-grew most are listed.
+grew most are listed. Then a probe (`bench/_warm_probe_worker.py`, tensor parallel over the 2 processes) asks
+whether that cost can be paid before the first step: a forward and backward of a meta-device copy of the model, on
+the main thread or on another thread, then the real model's first passes, counting DTensor's sharding-propagation
+cache misses.
 """
 
 from __future__ import annotations
@@ -22,12 +25,23 @@ from dynatrain.launcher import launch_local
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_first_step_worker.py")
+PROBE = str(HERE / "_warm_probe_worker.py")
 
 
 def run(args, tmp: Path, profile: bool) -> list[dict]:
     argv = [WORKER, "--chain", args.chain, "--every", str(args.every), "--steady-offset", str(args.steady_offset),
             "--model", args.model, "--seq-len", str(args.seq_len)] + (["--profile"] if profile else [])
     return launch_local(argv, 2, tmp, timeout=args.timeout, name="first-step")
+
+
+def probe(args, tmp: Path) -> list[dict]:
+    """Rank 0's record of the warm-up probe, once without a warm-up and once per place it can run."""
+    out = []
+    for warm in ("none", "main", "thread"):
+        ranks = launch_local([PROBE, "--warm", warm, "--model", args.model, "--seq-len", str(args.seq_len)], 2, tmp,
+                             timeout=args.timeout, name=f"probe-{warm}")
+        out.append(ranks[0])
+    return out
 
 
 def ratios(ranks: list[dict], args) -> list[dict]:
@@ -69,6 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="first-step-") as tmp:
         runs = [ratios(run(args, Path(tmp), profile=False), args) for _ in range(args.repeats)]
         profiled = run(args, Path(tmp), profile=True)
+        warm_probe = probe(args, Path(tmp))
     changes = []
     for i, row in enumerate(runs[0]):
         after = profiled[0]["switched_after"][i]
@@ -83,10 +98,16 @@ def main() -> None:
               f"({', '.join(f'{r:.2f}' for r in c['ratios'])})")
         for op in c["grown_ops_rank0"]:
             print(f"    {op['op'][:60]:60s} {op['first_s']:7.3f} s against {op['later_s']:7.3f} s")
+    print("first forward and backward of a tensor-parallel model (rank 0), by where a meta copy ran it before:")
+    for p in warm_probe:
+        before = f"warm-up {p['warm_s']:.3f} s with {p['warm_misses']} misses, then " if "warm_s" in p else ""
+        steps = ", ".join(f"{s['s']:.3f} s ({s['misses']} misses)" for s in p["steps"])
+        print(f"    {p['warm']:6s} {before}passes {steps}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": " ".join(["python"] + sys.argv), "args": vars(args),
-                                               "changes": changes}, indent=1))
+                                               "changes": changes, "warm_probe": warm_probe},
+                                              indent=1))
 
 
 if __name__ == "__main__":
