@@ -4,7 +4,9 @@
 
 Two processes, one fixed world, switching along ``--chain`` every ``--every`` steps (no process starts or leaves, so
 nothing competes for the cores but the job). For each switch: the first step after it (first micro-batch to end,
-the slower rank) against the median of the steps after it, over ``--repeats`` unprofiled runs; then one profiled run
+the slower rank) against the median of the steps from the third after it to the next switch (the second still meets
+operations the first did not run, such as gradients accumulating into existing ones), over ``--repeats`` unprofiled
+runs; then one profiled run
 where rank 0 profiles that first step and a later step of the same layout, and the operators whose self CPU time
 grew most are listed. Then a probe (`bench/_warm_probe_worker.py`, tensor parallel over the 2 processes) asks
 whether that cost can be paid before the first step: a forward and backward of a meta-device copy of the model, on
@@ -50,7 +52,7 @@ def ratios(ranks: list[dict], args) -> list[dict]:
     out = []
     for i, after in enumerate(ranks[0]["switched_after"]):
         first = after + 1
-        steady = [spans[s] for s in range(first + 1, after + args.every + 1) if s in spans][1:]
+        steady = [spans[s] for s in range(first + 2, after + args.every + 1) if s in spans]
         out.append({"change": f"{layouts[i]} -> {layouts[i + 1]}", "first_step_s": spans[first],
                     "median_step_s": statistics.median(steady), "ratio": spans[first] / statistics.median(steady)})
     return out
