@@ -16,6 +16,7 @@ import dynatrain
 from dynatrain.data import LlamaDataModule
 from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import LlamaLM
+from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
 
@@ -73,9 +74,7 @@ def main() -> None:
     pl.seed_everything(1234, verbose=False)
     clock = FirstSteps(args)
     strategy = dynatrain.DynaTrainStrategy(parallel=args.chain.split(",")[0], verify_switches=False)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=10_000, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[clock])
+    trainer = bench_trainer(strategy, 2, 10_000, [clock])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=1_000_000)
     trainer.fit(LlamaLM(model=args.model, lr=1e-3, warmup_steps=2, total_steps=100), datamodule=data)
     finish_rank(args.out, {"spans": {s: clock.ends[s] - clock.starts[s] for s in clock.ends},

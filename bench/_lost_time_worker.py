@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 import dynatrain  # noqa: E402
-from dynatrain.data import LlamaDataModule  # noqa: E402
+from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
 from dynatrain.launcher import finish_rank  # noqa: E402
 from dynatrain.llama_lm import LlamaLM  # noqa: E402
@@ -112,17 +112,6 @@ class Decide(pl.Callback):
         trainer.should_stop = True
 
 
-def data_module(args) -> LlamaDataModule:
-    return LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-                           max_corpus_bytes=1_000_000)
-
-
-def trainer_for(strategy, devices: int, callbacks: list) -> pl.Trainer:
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=10_000, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks)
-
-
 def module(args) -> LlamaLM:
     return LlamaLM(model=args.model, lr=1e-3, warmup_steps=2, total_steps=100)
 
@@ -146,10 +135,10 @@ def run_restarts(args, chain: list[tuple[str, int]]) -> list[dict]:
         pcfg = ParallelConfig.parse(layout)
         strategy = ModelParallelStrategy(data_parallel_size=pcfg.dp_size, tensor_parallel_size=pcfg.tp)
         clock, decide = Clock(), Decide(args, [c[0] for c in chain], s)
-        trainer, lm = trainer_for(strategy, procs, [clock, decide]), module(args)
+        trainer, lm = bench_trainer(strategy, procs, 10_000, [clock, decide]), module(args)
         fit_call = time.time()
         resume = str(Path(args.ckpt_dir) / f"segment-{s - 1}") if s > 0 else None
-        trainer.fit(lm, datamodule=data_module(args), ckpt_path=resume)
+        trainer.fit(lm, datamodule=bench_data(args), ckpt_path=resume)
         records.append(segment_record(s, clock, decide, fit_call))
         del trainer, lm, strategy
         gc.collect()
@@ -163,9 +152,9 @@ def run_online(args, chain: list[tuple[str, int]]) -> tuple[list[dict], dict]:
     strategy = dynatrain.DynaTrainStrategy(parallel=chain[args.segment][0], verify_switches=False,
                                            elastic={"timeout": 300.0, "join_timeout": 900.0})
     clock, decide = Clock(), Decide(args, [c[0] for c in chain], args.segment)
-    trainer = trainer_for(strategy, 1 if joining else int(os.environ["WORLD_SIZE"]), [clock, decide])
+    trainer = bench_trainer(strategy, 1 if joining else int(os.environ["WORLD_SIZE"]), 10_000, [clock, decide])
     fit_call = time.time()
-    trainer.fit(module(args), datamodule=data_module(args), ckpt_path=JOIN_CHECKPOINT if joining else None)
+    trainer.fit(module(args), datamodule=bench_data(args), ckpt_path=JOIN_CHECKPOINT if joining else None)
     extra = {"member": strategy.elastic.member_id, "left": strategy.detached,
              "reports": [r.as_dict() for r in strategy.switch_reports]}
     record = segment_record(args.segment, clock, decide, fit_call)

@@ -7,7 +7,6 @@ import os
 import time
 import warnings
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.llama import Transformer
 from dynatrain.models.stage_split import stage_split
 from _step_worker import StepClock  # the same per-step clock as the dense benchmark (this folder)
+from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
 
@@ -31,10 +31,7 @@ warnings.filterwarnings("ignore")
 def dynatrain_times(args, world: int) -> list[float]:
     strategy = dynatrain.DynaTrainStrategy(parallel=f"pp={world}", pipeline_schedule="1F1B")
     clock = StepClock()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[clock])
+    trainer = bench_trainer(strategy, world, args.steps, [clock])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * args.microbatches,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=2_000_000)
     trainer.fit(CausalLM(model=args.model, warmup_steps=2), datamodule=data)

@@ -27,9 +27,9 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 import dynatrain  # noqa: E402
+from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
 import dynatrain.elastic.world as world_mod  # noqa: E402
 import dynatrain.engine as engine_mod  # noqa: E402
-from dynatrain.data import LlamaDataModule  # noqa: E402
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
 from dynatrain.launcher import finish_rank  # noqa: E402
 from dynatrain.llama_lm import LlamaLM  # noqa: E402
@@ -206,27 +206,15 @@ class Actions(pl.Callback):
 
 
 # ---------------------------------------------------------------------------------------------- the script
-def data_module(args) -> LlamaDataModule:
-    return LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-                           max_corpus_bytes=1_000_000)
-
-
-def trainer_for(strategy, devices: int, max_steps: int, callbacks: list) -> pl.Trainer:
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                      callbacks=callbacks)
-
-
 def run_lightning(args) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     pcfg = ParallelConfig.parse(args.layout)
     strategy = TimedModelParallel(data_parallel_size=pcfg.dp_size, tensor_parallel_size=pcfg.tp)
     clock, saver = Clock(), SaveAndStop(args.stop_at, args.save)
-    trainer = trainer_for(strategy, world, args.stop_at, [clock, saver])
+    trainer = bench_trainer(strategy, world, args.stop_at, [clock, saver])
     module = LlamaLM(model=args.model, lr=1e-3, warmup_steps=2, total_steps=100)
     clock.marks["fit_call"] = time.time()
-    trainer.fit(module, datamodule=data_module(args), ckpt_path=args.resume)
+    trainer.fit(module, datamodule=bench_data(args), ckpt_path=args.resume)
     result = {"rank": trainer.global_rank, "marks": clock.marks, "step_ends": clock.step_ends,
               "step_parts": clock.step_parts, "save_s": saver.seconds, "load": strategy.load_marks,
               "losses": module.step_losses, "fit_end": time.time()}
@@ -243,10 +231,10 @@ def run_dynatrain(args) -> dict:
     clock = Clock()
     script = Actions(actions, args.first if joining else 0, args.gap, args.start_at,
                      None if joining else args.signal_file)
-    trainer = trainer_for(strategy, world, args.max_steps, [clock, script])
+    trainer = bench_trainer(strategy, world, args.max_steps, [clock, script])
     module = LlamaLM(model=args.model, lr=1e-3, warmup_steps=2, total_steps=100)
     clock.marks["fit_call"] = time.time()
-    trainer.fit(module, datamodule=data_module(args), ckpt_path=JOIN_CHECKPOINT if joining else None)
+    trainer.fit(module, datamodule=bench_data(args), ckpt_path=JOIN_CHECKPOINT if joining else None)
     manager = strategy.elastic
     ready = None
     if joining:

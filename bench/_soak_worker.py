@@ -35,6 +35,7 @@ from dynatrain.llama_lm import LlamaLM
 from dynatrain.models.configs import get_model_config
 from dynatrain.models.llama import Transformer
 from dynatrain.vps.parallel_config import ParallelConfig
+from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
 
@@ -245,10 +246,7 @@ def main() -> None:
     soak = Soak(cycle, args.switches, args.every_n_steps, min(args.warmup, args.switches), args.sample_every,
                 args.verify_every, args.trim, args.tracemalloc, args.trim_after_switch)
     steps = (args.switches + 2) * args.every_n_steps + 2
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[soak])
+    trainer = bench_trainer(strategy, world, steps, [soak])
     module = LlamaLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
     needed = (steps + 4) * args.global_batch * (args.seq_len + 1)
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,

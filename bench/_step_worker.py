@@ -13,6 +13,7 @@ import dynatrain
 from dynatrain.launcher import finish_rank
 from dynatrain.data import LlamaDataModule
 from dynatrain.llama_lm import LlamaLM
+from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
 
@@ -64,10 +65,7 @@ def main() -> None:
         strategy = dynatrain.DynaTrainStrategy(parallel=f"dp_shard={dp},tp={args.tp}", compile=args.compile or False,
                                                activation_checkpointing=ac)
     clock = StepClock()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[clock])
+    trainer = bench_trainer(strategy, world, args.steps, [clock])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=2_000_000)
     trainer.fit(LlamaLM(model=args.model, warmup_steps=2), datamodule=data)

@@ -53,6 +53,7 @@ def collect_sources(model, opt) -> dict:
     return out
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
+from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
 MiB = 2**20
@@ -305,10 +306,7 @@ def main() -> None:
     strategy = dynatrain.DynaTrainStrategy(parallel=args.source, switch_budget_mb=budgets[0], verify_switches=False)
     bench = SwitchBench(events, args.steps_between, args.raw_repeats, int(args.chunk_mb * MiB))
     steps = args.steps_between * (len(events) + 1)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[bench])
+    trainer = bench_trainer(strategy, world, steps, [bench])
     module = LlamaLM(model=args.model, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp0,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=1_000_000)

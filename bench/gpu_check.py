@@ -54,6 +54,7 @@ def step_time(device: torch.device, model: str, steps: int) -> dict:
     from dynatrain import DynaTrainStrategy
     from dynatrain.data import LlamaDataModule
     from dynatrain.llama_lm import LlamaLM
+    from _trainer import bench_trainer  # this folder
 
     class Clock(pl.Callback):
         def __init__(self) -> None:
@@ -65,10 +66,7 @@ def step_time(device: torch.device, model: str, steps: int) -> dict:
             self.marks.append(time.perf_counter())
 
     clock = Clock()
-    trainer = pl.Trainer(
-        strategy=DynaTrainStrategy(parallel="dp_shard=1"), accelerator=device.type, devices=1, max_steps=steps + 3,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[clock])
+    trainer = bench_trainer(DynaTrainStrategy(parallel="dp_shard=1"), 1, steps + 3, [clock], accelerator=device.type)
     data = LlamaDataModule(seq_len=256, global_batch_size=4, micro_batch_size=4, max_corpus_bytes=2_000_000)
     trainer.fit(LlamaLM(model=model, warmup_steps=1), datamodule=data)
     gaps = [b - a for a, b in zip(clock.marks[2:], clock.marks[3:])]

@@ -35,15 +35,15 @@ import random
 import secrets
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from _spawn import Spawner  # this folder
+
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import LaunchError, launch_local
+from dynatrain.launcher import launch_local, rank_env
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")
@@ -70,66 +70,8 @@ def distinct_ports(n: int) -> list[int]:
             s.close()
 
 
-class Spawner:
-    """Starts the processes a scale-out adds the moment rank 0 signals its decision (a file in the trial's folder)."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp, self.procs, self.spawned, self._stop = tmp, [], {}, threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def on_decision(self, change: int, argvs_envs: list[tuple[list[str], dict]]) -> None:
-        t = threading.Thread(target=self._run, args=(change, argvs_envs), daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _run(self, change: int, argvs_envs) -> None:
-        signal = self.tmp / f"decided-{change}"
-        while not signal.exists():
-            if self._stop.wait(0.01):
-                return
-        self.spawned[change] = time.time()
-        for i, (argv, env) in enumerate(argvs_envs):
-            out, log = self.tmp / f"new-{change}-{i}.json", self.tmp / f"new-{change}-{i}.log"
-            with open(log, "w") as f:
-                proc = subprocess.Popen([sys.executable, *argv, "--out", str(out)], env=env, stdout=f,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-            self.procs.append({"proc": proc, "out": out, "log": log})
-
-    def finish(self, timeout: float) -> list[dict]:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-        results = []
-        for p in self.procs:
-            try:
-                p["proc"].wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p["proc"].kill()
-            if p["proc"].returncode != 0:
-                raise LaunchError(f"a started process failed ({p['proc'].returncode})\n" + _tail(p["log"]))
-            results.append(json.loads(Path(p["out"]).read_text()))
-        return results
-
-    def kill(self) -> None:
-        self._stop.set()
-        for p in self.procs:
-            if p["proc"].poll() is None:
-                p["proc"].kill()
-                p["proc"].wait()
-
-
-def _tail(log: Path, n: int = 30) -> str:
-    return "\n".join(Path(log).read_text(errors="replace").splitlines()[-n:]) if Path(log).exists() else ""
-
-
 def scale_outs() -> list[int]:
     return [i for i in range(len(CHAIN) - 1) if CHAIN[i + 1][1] > CHAIN[i][1]]
-
-
-def rank_env(base: dict, rank: int, world: int, port: int) -> dict:
-    return {**os.environ, **base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
-            "PYTHONUNBUFFERED": "1"}
 
 
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
@@ -151,7 +93,7 @@ def run_warm(args, tmp: Path) -> dict:
     for i in scale_outs():
         old, new = CHAIN[i][1], CHAIN[i + 1][1]
         seg = base_argv(args, "warm", tmp, i + 1) + ["--ckpt-dir", str(tmp), "--ports", ",".join(map(str, ports))]
-        spawner.on_decision(i, [(seg, rank_env(ENV, r, new, ports[i + 1])) for r in range(old, new)])
+        spawner.when(tmp / f"decided-{i}", i, [(seg, rank_env(r, new, ports[i + 1], ENV)) for r in range(old, new)])
     try:
         ranks = launch_local(argv, CHAIN[0][1], tmp, timeout=args.timeout, env=ENV, name="warm")
         ranks += spawner.finish(args.timeout)
@@ -167,8 +109,8 @@ def run_online(args, tmp: Path) -> dict:
     spawner = Spawner(tmp)
     for i in scale_outs():
         joiner = base_argv(args, "online", tmp, i + 1)
-        spawner.on_decision(i, [(joiner, {**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"})
-                                for _ in range(CHAIN[i + 1][1] - CHAIN[i][1])])
+        joiner_env = {**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"}
+        spawner.when(tmp / f"decided-{i}", i, [(joiner, joiner_env) for _ in range(CHAIN[i + 1][1] - CHAIN[i][1])])
     try:
         ranks = launch_local(base_argv(args, "online", tmp), CHAIN[0][1], tmp, timeout=args.timeout, env=env,
                              name="online")

@@ -27,12 +27,12 @@ import argparse
 import json
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
 from dynatrain.launcher import LaunchError, launch_local
@@ -75,66 +75,28 @@ def run_restart_chain(args, model: str, tmp: Path) -> list[dict]:
     return launches
 
 
-def _start_joiners(args, model: str, tmp: Path, env: dict, signal: Path, done: threading.Event,
-                   out: list) -> None:
-    """Start the joiners once the job trains on its smaller world (or never, if the members end first)."""
-    while not signal.exists():
-        if done.wait(0.05):
-            return
-    for i in range(2):
-        path, log = tmp / f"joiner-{model}-{i}.json", tmp / f"joiner-{model}-{i}.log"
-        argv = [sys.executable, WORKER, "--mode", "dynatrain", "--layout", RESTART_CHAIN[0][0],
-                "--actions", ";".join(ONLINE_ACTIONS), "--first", str(SCALE_OUT + 1), "--gap", str(args.gap),
-                "--start-at", str(args.start_at), *common_args(args, model), "--out", str(path)]
-        spawned = time.time()
-        with open(log, "w") as f:
-            proc = subprocess.Popen(argv, env={**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"},
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        out.append({"proc": proc, "spawned": spawned, "out": path, "log": log})
-
-
 def run_online(args, model: str, tmp: Path) -> dict:
     token = secrets.token_hex(8)
     store = start_store(token, tmp, host="127.0.0.1")
     env = {"DYNATRAIN_ENDPOINT": store.endpoint, "DYNATRAIN_TOKEN": token, "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "offline"}
-    signal, done, joiners = tmp / f"online-{model}.signal", threading.Event(), []
-    starter = threading.Thread(target=_start_joiners, args=(args, model, tmp, env, signal, done, joiners))
-    starter.start()
-    argv = [WORKER, "--mode", "dynatrain", "--layout", RESTART_CHAIN[0][0], "--actions", ";".join(ONLINE_ACTIONS),
-            "--gap", str(args.gap), "--start-at", str(args.start_at), "--signal-file", str(signal),
-            *common_args(args, model)]
+    signal = tmp / f"online-{model}.signal"
+    spawner = Spawner(tmp)  # the joiners start once the job trains on its smaller world (never, if it ends first)
+    online = [WORKER, "--mode", "dynatrain", "--layout", RESTART_CHAIN[0][0], "--actions", ";".join(ONLINE_ACTIONS),
+              "--gap", str(args.gap), "--start-at", str(args.start_at), *common_args(args, model)]
+    joiner_env = {**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"}
+    spawner.when(signal, f"joiner-{model}", [(online + ["--first", str(SCALE_OUT + 1)], joiner_env)] * 2)
     try:
         launched = time.time()
         try:
-            members = launch_local(argv, 4, tmp, timeout=args.timeout, env=env, name=f"online-{model}")
+            members = launch_local(online + ["--signal-file", str(signal)], 4, tmp, timeout=args.timeout, env=env,
+                                   name=f"online-{model}")
         except LaunchError as e:
-            raise LaunchError(str(e) + _tails([j["log"] for j in joiners])) from None
-        done.set()
-        starter.join()
-        return {"launched": launched, "members": members, "joiners": [_finish_joiner(j) for j in joiners]}
+            raise LaunchError(str(e) + spawner.tails()) from None
+        return {"launched": launched, "members": members, "joiners": spawner.finish(timeout=120.0)}
     finally:
-        done.set()
-        for j in joiners:
-            if j["proc"].poll() is None:
-                j["proc"].kill()
-                j["proc"].wait()
+        spawner.kill()
         store.stop()
-
-
-def _finish_joiner(j: dict, timeout: float = 120.0) -> dict:
-    try:
-        j["proc"].wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise LaunchError("a joiner did not finish" + _tails([j["log"]])) from None
-    if j["proc"].returncode != 0:
-        raise LaunchError(f"a joiner failed with status {j['proc'].returncode}" + _tails([j["log"]]))
-    return {"spawned": j["spawned"], **json.loads(Path(j["out"]).read_text())}
-
-
-def _tails(logs: list[Path]) -> str:
-    return "".join(f"\n--- {log} ---\n" + "\n".join(Path(log).read_text(errors="replace").splitlines()[-30:])
-                   for log in logs if Path(log).exists())
 
 
 # ---------------------------------------------------------------------------------------------- measuring

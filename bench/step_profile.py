@@ -35,6 +35,7 @@ def rank_main(args) -> None:
     from dynatrain.data import LlamaDataModule
     from dynatrain.launcher import finish_rank
     from dynatrain.llama_lm import LlamaLM
+    from _trainer import bench_trainer  # this folder
 
     warnings.filterwarnings("ignore")
 
@@ -68,10 +69,7 @@ def rank_main(args) -> None:
     else:
         strategy = dynatrain.DynaTrainStrategy(parallel=f"dp_shard={world}")
     meter = StepMeter(first=args.steps - 5, last=args.steps - 1)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[meter])
+    trainer = bench_trainer(strategy, world, args.steps, [meter])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * world,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=2_000_000)
     trainer.fit(LlamaLM(model=args.model, warmup_steps=2), datamodule=data)

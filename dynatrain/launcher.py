@@ -26,6 +26,17 @@ class LaunchError(RuntimeError):
     pass
 
 
+def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of local rank ``rank`` of ``world`` whose store is on ``port``: this process's environment,
+    then ``env``, then the rank's identity; threads split the cores unless ``env`` says otherwise."""
+    full = {**os.environ, **(env or {})}
+    full.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
+    full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    full.setdefault("WANDB_MODE", "offline")
+    return full
+
+
 # What a rank of dynatrain's own workers imports first: a launch with ``preload=PRELOAD`` pays it once.
 PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "dynatrain")
 
@@ -47,17 +58,7 @@ def launch_local(
     port = free_port()
     outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
-    envs = []
-    for rank in range(nprocs):
-        rank_env = dict(os.environ)
-        rank_env.update(env or {})
-        rank_env.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), RANK=str(rank),
-            LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
-        )
-        rank_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-        rank_env.setdefault("WANDB_MODE", "offline")
-        envs.append(rank_env)
+    envs = [rank_env(rank, nprocs, port, env) for rank in range(nprocs)]
     if preload and hasattr(os, "fork"):
         procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload)
     else:
@@ -72,7 +73,7 @@ def launch_local(
         # a later rank that already died, so its peers would wait for the full timeout.
         while [p.poll() for p in procs].count(None):
             if time.monotonic() > deadline:
-                raise LaunchError(f"{name} on {nprocs} ranks timed out after {timeout:.0f}s\n" + _tails(logs))
+                raise LaunchError(f"{name} on {nprocs} ranks timed out after {timeout:.0f}s\n" + log_tails(logs))
             if any(p.returncode not in (None, 0) for r, p in enumerate(procs) if r not in may_die):
                 end = min(deadline, time.monotonic() + grace)  # let the peers report their side of the failure
                 while time.monotonic() < end and any(p.poll() is None for p in procs):
@@ -88,8 +89,9 @@ def launch_local(
             getattr(p, "close", lambda: None)()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in may_die]
     if failed:
-        zygote = _tails([procs[0].zygote_log], "zygote", skip_empty=True) if isinstance(procs[0], _ForkedRank) else ""
-        raise LaunchError(f"{name}: ranks {failed} failed\n" + _tails(logs) + ("\n" + zygote if zygote else ""))
+        forked = isinstance(procs[0], _ForkedRank)
+        zygote = log_tails([procs[0].zygote_log], "zygote", skip_empty=True) if forked else ""
+        raise LaunchError(f"{name}: ranks {failed} failed\n" + log_tails(logs) + ("\n" + zygote if zygote else ""))
     return [json.loads(o.read_text()) if o.exists() and r not in may_die else None for r, o in enumerate(outs)]
 
 
@@ -134,14 +136,14 @@ def launch_elastic(
             members = launch_local(argv, nprocs, workdir, timeout=timeout, env=env, name=name, grace=grace,
                                    may_die=may_die, preload=preload)
         except LaunchError as e:
-            raise LaunchError(str(e) + _tails(logs, "joiner")) from None
+            raise LaunchError(str(e) + log_tails(logs, "joiner")) from None
         # The joiners finish with the members' last collective; a grace covers their exit.
         end = time.monotonic() + 60
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
             time.sleep(0.1)
         failed = [i for i, p in enumerate(procs) if p.returncode != 0 and not joiners_may_die]
         if failed:
-            raise LaunchError(f"{name}: joiners {failed} failed\n" + _tails(logs, "joiner"))
+            raise LaunchError(f"{name}: joiners {failed} failed\n" + log_tails(logs, "joiner"))
         return members, [json.loads(o.read_text()) if p.returncode == 0 else None for p, o in zip(procs, outs)]
     finally:
         for p in procs:
@@ -217,9 +219,11 @@ def finish_rank(out: str | Path, result: dict) -> None:
     teardown_distributed()
 
 
-def _tails(logs: list[Path], what: str = "rank", n: int = 40, skip_empty: bool = False) -> str:
+def log_tails(logs: list[Path], what: str = "rank", n: int = 40, skip_empty: bool = False) -> str:
+    """The last ``n`` lines of each log, headed by what wrote it (``what`` and its index): for error messages."""
     parts = []
     for r, log in enumerate(logs):
+        log = Path(log)
         lines = log.read_text(errors="replace").splitlines() if log.exists() else []
         if skip_empty and not lines:
             continue

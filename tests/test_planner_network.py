@@ -4,7 +4,7 @@ import pytest
 
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import NetworkModel, plan_switch
-from dynatrain.vps import Layout, ParallelConfig
+from dynatrain.vps import ParallelConfig
 
 LAT = 20e-6
 

@@ -4,7 +4,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from dynatrain.models.configs import get_model_config
 from dynatrain.strategies.prepare import (

@@ -3,7 +3,8 @@
 import pytest
 from _launch import assert_close, launch
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+# One xdist worker runs the whole module: its module-scoped reference run is computed once.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400), pytest.mark.xdist_group("training_mp")]
 
 STEPS = 5
 COMMON = ["--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--seq-len", "64"]
