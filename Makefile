@@ -20,12 +20,12 @@ demo: setup
 	$(VENV)/bin/dynatrain fit --config recipes/llama-debug-elastic.yaml --elastic.max_devices 4 --elastic.standby 2
 
 # Two pytest workers: a multi-process test leaves cores idle while its ranks wait on each other, so two tests at once
-# fill them (about 14 instead of 20 minutes on 2 cores). A module whose tests share one reference run stays on one
-# worker (its `xdist_group`).
+# fill them (about 13 instead of 20 minutes on 2 cores). tests/conftest.py keeps a module whose tests share one
+# reference run on one worker.
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 bench: setup
 	$(PY) bench/all.py

@@ -12,3 +12,22 @@ def one_process_group(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+# Modules whose tests share a module-scoped reference run (a multi-process launch of 10 to 60 s): one pytest worker
+# takes the whole module, so the reference runs once. Every other test is a unit of its own. (xdist's `xdist_group`
+# mark cannot do this on pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)
+ONE_WORKER_MODULES = {"test_checkpointing_compile_mp.py", "test_elastic_mp.py", "test_moe_switch.py",
+                      "test_pipeline_mp.py", "test_training_mp.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesWithAReference(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
+
+    return ModulesWithAReference(config, log)

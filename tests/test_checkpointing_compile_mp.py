@@ -8,8 +8,7 @@ import json
 import pytest
 from _launch import assert_close, launch
 
-# One xdist worker runs the whole module: its module-scoped reference run is computed once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600), pytest.mark.xdist_group("checkpointing_compile")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 BOTH = {"ac": "selective:op", "compile": "aot_eager"}
 MOE = {"model": "moe-debug", "layout": "dp_shard=2,ep=2"}

@@ -4,8 +4,7 @@ import pytest
 
 from tests._launch import launch, launch_elastic
 
-# One xdist worker runs the whole module: its module-scoped reference run is computed once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("elastic_mp")]
+pytestmark = pytest.mark.multiprocess
 
 SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;5:dp_shard=2,tp=2"
 

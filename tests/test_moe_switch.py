@@ -7,9 +7,6 @@ from __future__ import annotations
 import pytest
 from _launch import launch
 
-# One xdist worker runs the whole module: its module-scoped reference runs are computed once.
-pytestmark = pytest.mark.xdist_group("moe_switch")
-
 SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
 EP_SEQUENCE = ["dp_shard=4,ep=2", "dp_shard=2,tp=2,ep=2", "dp_shard=4", "dp_replicate=2,dp_shard=2,ep=2",
                "dp_shard=4,ep=4"]

@@ -4,8 +4,7 @@ for every schedule and for layers that do not divide by the stages; validation r
 import pytest
 from _launch import assert_close, launch
 
-# One xdist worker runs the whole module: its module-scoped reference run is computed once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400), pytest.mark.xdist_group("pipeline_mp")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 STEPS = 4
 COMMON = ["--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--seq-len", "64", "--n-layers", "4",

@@ -3,8 +3,7 @@
 import pytest
 from _launch import assert_close, launch
 
-# One xdist worker runs the whole module: its module-scoped reference run is computed once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400), pytest.mark.xdist_group("training_mp")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 STEPS = 5
 COMMON = ["--steps", str(STEPS), "--global-batch", "8", "--micro-batch", "2", "--seq-len", "64"]
