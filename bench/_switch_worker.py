@@ -53,6 +53,7 @@ def collect_sources(model, opt) -> dict:
     return out
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
+from _raw_p2p import pair_bytes, raw_exchange  # this folder
 from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
@@ -104,44 +105,6 @@ engine_mod.run_transition = _captured_run_transition
 
 
 # ---------------------------------------------------------------------------------------------- raw bandwidth
-def pair_bytes(plan) -> dict[tuple[int, int], int]:
-    out: dict[tuple[int, int], int] = {}
-    for rnd in plan.traffic:
-        for s, d, _, n in rnd:
-            out[(s, d)] = out.get((s, d), 0) + n
-    return out
-
-
-def raw_exchange(pairs: dict[tuple[int, int], int], rank: int, chunk: int, repeats: int) -> list[float]:
-    """The same bytes between the same ordered pairs, all posted at once in one `batch_isend_irecv`, each pair's
-    bytes as messages of at most ``chunk`` bytes, from/to preallocated, pre-touched buffers. Seconds per repeat
-    (barrier to the last wait on this rank)."""
-    sends = {d: n for (s, d), n in pairs.items() if s == rank}
-    recvs = {s: n for (s, d), n in pairs.items() if d == rank}
-    sbuf = {d: torch.ones(n, dtype=torch.uint8) for d, n in sends.items()}
-    rbuf = {s: torch.zeros(n, dtype=torch.uint8) for s, n in recvs.items()}
-    times = []
-    for _ in range(repeats):
-        ops = []
-        for d in sorted(sbuf):
-            b = sbuf[d]
-            for o in range(0, b.numel(), chunk):
-                ops.append(dist.P2POp(dist.isend, b[o:o + chunk], peer=d))
-        for s in sorted(rbuf):
-            b = rbuf[s]
-            for o in range(0, b.numel(), chunk):
-                ops.append(dist.P2POp(dist.irecv, b[o:o + chunk], peer=s))
-        dist.barrier()
-        t0 = time.perf_counter()
-        works = dist.batch_isend_irecv(ops) if ops else []
-        for w in works:
-            w.wait()
-        times.append(time.perf_counter() - t0)
-        del works, ops
-    del sbuf, rbuf
-    return times
-
-
 def schedule_replay(plan, rank: int, repeats: int) -> list[float]:
     """The engine's own rounds and messages (same sizes, same pairs, one batch per round) on one preallocated
     staging buffer, without packing, local copies or unpacking: the wire cost of the schedule alone."""

@@ -4,6 +4,7 @@
     python bench/all.py --only soak       # optional, not in the default run (about 15 minutes on 2 cores)
     python bench/all.py --only lost_time  # optional (46 minutes on 2 cores)
     python bench/all.py --only first_step # optional (2 minutes)
+    python bench/all.py --only first_touch # optional (1.5 minutes)
 
 Each script prints its tables and writes bench/results/<name>.json; this prints the wall time of each and of the
 whole run (goal: under 20 minutes on the 2-core development machine) and keeps each script's output in
@@ -38,6 +39,8 @@ OPTIONAL = {
     "lost_time": ["bench/lost_time.py", "--model", "125m", "--seq-len", "32", "--repeats", "5", "--json",
                   "bench/results/lost_time/125m.json"],
     "first_step": ["bench/first_step.py", "--json", "bench/results/first_step.json"],
+    "first_touch": ["bench/first_touch.py", "--model", "125m", "--repeats", "6", "--json",
+                    "bench/results/first_touch.json"],
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _launch import launch
-from dynatrain.engine import TransitionError, run_transition, validate_sources
+from dynatrain.engine import TransitionError, allocate_destinations, run_transition, validate_sources
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -61,6 +61,33 @@ def test_local_only_plan_copies_without_keep_in_place():
     assert stats.peak_bytes <= stats.src_bytes + largest
 
 
+def test_preallocated_destinations_receive_the_bytes_and_count_from_the_start():
+    plan = _one_process_plan()
+    src = {s.name: fill_local(plan.old, s.name, 0, seed=6) for s in plan.old.states}
+    want = {name: t.clone() for name, t in src.items()}
+    ready = allocate_destinations(plan, 0)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in ready.items()} == {n: (tuple(t.shape), t.dtype)
+                                                                       for n, t in want.items()}
+    ptrs = {name: t.data_ptr() for name, t in ready.items()}
+    dst, stats = run_transition(plan, 0, src, keep_in_place=False, preallocated=ready)
+    for name, t in want.items():
+        assert torch.equal(dst[name], t) and dst[name].data_ptr() == ptrs[name]
+    assert stats.peak_bytes == stats.src_bytes + stats.dst_bytes  # all of them live before the first copy
+
+
+def test_a_preallocated_tensor_that_does_not_fit_is_refused_by_name():
+    plan = _one_process_plan()
+    src = lambda: {s.name: fill_local(plan.old, s.name, 0, seed=7) for s in plan.old.states}  # noqa: E731
+    ready = allocate_destinations(plan, 0)
+    with pytest.raises(TransitionError, match=r"preallocated tensor for state 'w' is \(5, 7\) torch.float32"):
+        run_transition(plan, 0, src(), preallocated={**ready, "w": torch.empty(5, 7)})
+    with pytest.raises(TransitionError, match=r"state 'w.m' is \(7, 5\) torch.float32 .* needs a contiguous "
+                                              r"\(7, 5\) torch.bfloat16"):
+        run_transition(plan, 0, src(), preallocated={"w.m": torch.empty(7, 5)})
+    with pytest.raises(TransitionError, match="state 'nope', which this process does not hold"):
+        run_transition(plan, 0, src(), preallocated={"nope": torch.empty(1)})
+
+
 def test_errors_name_the_bad_source():
     plan = _one_process_plan()
     good = {s.name: fill_local(plan.old, s.name, 0, seed=5) for s in plan.old.states}
@@ -77,15 +104,18 @@ def test_errors_name_the_bad_source():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nprocs,cases,direct_min", [(2, 6, None), (3, 6, None), (4, 6, None), (2, 6, 1), (3, 6, 1)],
-                         ids=["2", "3", "4", "2-in-place", "3-in-place"])
-def test_engine_random_switches(tmp_path, nprocs, cases, direct_min):
-    """With ``direct_min`` 1 every piece that is contiguous on one side is sent or received in place there."""
-    extra = [] if direct_min is None else ["--direct-min", str(direct_min)]
+@pytest.mark.parametrize("nprocs,cases,direct_min,ahead", [(2, 6, None, False), (3, 6, None, False), (4, 6, None, True),
+                                                           (2, 6, 1, False), (3, 6, 1, False)],
+                         ids=["2", "3", "4-joiners-ahead", "2-in-place", "3-in-place"])
+def test_engine_random_switches(tmp_path, nprocs, cases, direct_min, ahead):
+    """With ``direct_min`` 1 every piece that is contiguous on one side is sent or received in place there. With
+    ``ahead`` a process that holds no sources receives into destinations it allocated before the transfer."""
+    extra = ([] if direct_min is None else ["--direct-min", str(direct_min)]) + (["--joiners-ahead"] if ahead else [])
     out = launch("engine_worker.py", nprocs, ["--cases", str(cases), "--seed", "1", *extra], tmp_path, timeout=100)
     multi_round = 0
     moved = 0
     in_place = 0
+    received_ahead = 0
     for rank_out in out:
         assert len(rank_out["results"]) == cases
         for res in rank_out["results"]:
@@ -108,9 +138,12 @@ def test_engine_random_switches(tmp_path, nprocs, cases, direct_min):
             multi_round += res["rounds"] > 2
             moved += st["bytes_sent"]
             in_place += st["bytes_zero_copy"]
+            assert res["received_in_place_ahead"], res
+            received_ahead += st["bytes_received"] if res["ahead"] else 0
     assert multi_round, "the budget should force several rounds in some case"
     assert moved > 0
     assert (in_place > 0) == (direct_min is not None)  # these tiny states are all below the default threshold
+    assert (received_ahead > 0) == ahead, "some case should scale out, its joiners receiving into tensors made ahead"
 
 
 def test_the_wire_sees_a_box_as_contiguous_exactly_when_torch_does():

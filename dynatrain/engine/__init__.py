@@ -8,11 +8,12 @@ from dynatrain.engine.checks import (
     validate_sources,
 )
 from dynatrain.engine.stats import TransitionStats
-from dynatrain.engine.transition import run_transition
+from dynatrain.engine.transition import allocate_destinations, run_transition
 
 __all__ = [
     "TransitionError",
     "TransitionStats",
+    "allocate_destinations",
     "expected_destinations",
     "expected_sources",
     "run_transition",

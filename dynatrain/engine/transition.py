@@ -23,10 +23,17 @@ memory really goes back to the allocator when the caller holds no other referenc
 
 Nothing here knows the device: CPU tensors with gloo, CUDA tensors with NCCL (CUDA phases are synchronised
 for timing only).
+
+Destinations are allocated when their first bytes arrive, which keeps the memory bound; on CPU that first write
+also has the kernel map every page of the fresh memory, which makes a local copy into it about 2.5 times slower
+("First touch" in docs/benchmarks.md). A process with memory to spare, a joining one above all (it holds no
+sources), allocates them ahead with `allocate_destinations`, outside the stall, and passes them as
+``preallocated``.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
@@ -60,6 +67,7 @@ def run_transition(
     group_ranks: GroupRanks = None,
     device: torch.device | str | None = None,
     keep_in_place: bool = True,
+    preallocated: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], TransitionStats]:
     """Run process ``rank``'s part of ``plan`` and return (its new local tensors, stats).
 
@@ -71,6 +79,9 @@ def run_transition(
     ``device``: where destinations and the staging buffer live; default the device of the sources (CPU for a
     process that holds none). ``keep_in_place``: adopt a source tensor as the destination when the new local
     tensor is exactly the old one (same shape, every element stays where it is): no copy, no extra memory.
+    ``preallocated``: state name -> an empty destination allocated before the call (`allocate_destinations`),
+    written in place instead of one allocated during the transfer; it counts as live from the start, so the
+    memory bound is the caller's to keep. Each must have the new local shape, the dtype and the device.
 
     Every process of ``plan.processes`` must call this with the same plan; a process with nothing to move
     still returns (it posts nothing). Returns destinations for every state of the new layout this process
@@ -81,10 +92,23 @@ def run_transition(
     run = _RankTransition(plan, rank, src, group, group_ranks, device)
     if keep_in_place:
         run.keep_in_place()
+    run.adopt_preallocated(preallocated or {})
     run.prepare()
     for k in range(run.rp.num_rounds):
         run.run_round(k)
     return run.finish(t_start)
+
+
+def allocate_destinations(plan: SwitchPlan, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every new local tensor of process ``rank``, empty, for `run_transition`'s ``preallocated``. On CPU each page
+    is written once, so the kernel maps the memory now rather than while the bytes arrive."""
+    device = torch.device(device)
+    out = {}
+    for name, (shape, dtype) in expected_destinations(plan, rank).items():
+        t = out[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+        if device.type == "cpu" and t.numel():
+            t.view(-1).view(torch.uint8)[::mmap.PAGESIZE].zero_()
+    return out
 
 
 class _RankTransition:
@@ -166,6 +190,23 @@ class _RankTransition:
                 self.kept.add(name)
                 self.uses[name] -= len(ts)
                 self.stats.bytes_kept += sum(t.nbytes for t in ts)
+
+    def adopt_preallocated(self, ready: Mapping[str, torch.Tensor]) -> None:
+        """Take the caller's empty destinations (those not adopted in place from a source): live from now on."""
+        for name, t in ready.items():
+            if name not in self.dst_spec:
+                raise TransitionError(f"rank {self.rank}: a preallocated tensor for state {name!r}, which this "
+                                      f"process does not hold in the new layout")
+            shape, dtype = self.dst_spec[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != torch_dtype(dtype) or t.device != self.device \
+                    or not t.is_contiguous():
+                raise TransitionError(
+                    f"rank {self.rank}: the preallocated tensor for state {name!r} is {tuple(t.shape)} {t.dtype} "
+                    f"on {t.device}; the new layout needs a contiguous {tuple(shape)} {torch_dtype(dtype)} on "
+                    f"{self.device} (allocate it with allocate_destinations)")
+            if name not in self.dst:
+                self.dst[name] = t
+                self.live.add(t.numel() * t.element_size())
 
     def prepare(self) -> None:
         """Free what nothing reads, allocate the empty destinations, split every round into wire operations and

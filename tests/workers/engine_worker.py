@@ -23,7 +23,7 @@ if __name__ == "__main__" and "dynatrain" not in sys.modules:
     _pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "dynatrain")]
     sys.modules["dynatrain"] = _pkg
 
-from dynatrain.engine import run_transition, torch_dtype, wire
+from dynatrain.engine import allocate_destinations, run_transition, torch_dtype, wire
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--direct-min", type=int, default=None, help="smallest piece sent or received in place")
+    ap.add_argument("--joiners-ahead", action="store_true",
+                    help="a process without sources allocates its destinations before the transfer")
     args = ap.parse_args()
     if args.direct_min is not None:
         wire.DIRECT_MIN_BYTES = args.direct_min
@@ -127,8 +129,12 @@ def main() -> None:
         if pid in plan.processes:
             src = {name: fill_local(plan.old, name, pid, case["seed"]) for name in case["names"]
                    if plan.old.position_of(pid) is not None}
-            dst, stats = run_transition(plan, pid, src, group_ranks=rank_of_pid)
+            ready = allocate_destinations(plan, pid) if args.joiners_ahead and not src else {}
+            ptrs = {name: t.data_ptr() for name, t in ready.items()}
+            dst, stats = run_transition(plan, pid, src, group_ranks=rank_of_pid, preallocated=ready)
             assert not src, "the engine must consume every source"
+            res["ahead"] = len(ptrs)
+            res["received_in_place_ahead"] = all(dst[name].data_ptr() == ptr for name, ptr in ptrs.items())
             if plan.new.position_of(pid) is not None:
                 for name in case["names"]:
                     want = expected_local(plan.new, name, pid, case["seed"])

@@ -1,0 +1,73 @@
+"""One process of `bench/first_touch.py`: the engine alone on synthetic states, destinations allocated during the
+transfer or ahead of it, alternating, ``--repeats`` times each."""
+
+import argparse
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+from _raw_p2p import pair_bytes, raw_exchange  # this folder
+from dynatrain.engine import allocate_destinations, run_transition, torch_dtype
+from dynatrain.launcher import finish_rank
+from dynatrain.models.specs import layout_for_model
+from dynatrain.planner.schedule import plan_switch
+from dynatrain.vps import ParallelConfig
+
+MiB = 2**20
+# case -> (old layout, its processes, new layout, the processes that allocate ahead in the "ahead" way)
+CASES = {
+    "same-world": ("dp_shard=2", 2, "tp=2", (0, 1)),
+    "same-world-back": ("tp=2", 2, "dp_shard=2", (0, 1)),
+    "scale-out": ("dp_shard=2", 2, "dp_shard=4", (2, 3)),  # the joiners, as `dynatrain join` does
+}
+
+
+def one_switch(case: str, args, rank: int, world: int, ahead: bool) -> dict:
+    old_cfg, old_procs, new_cfg, early = CASES[case]
+    old = layout_for_model(args.model, ParallelConfig.parse(old_cfg))
+    joiners = list(range(old_procs, world))
+    plan = plan_switch(old, new_cfg, budget_bytes=int(args.budget_mb * MiB), rank_map="identity",
+                       joiners=joiners or None)
+    src = {}
+    if rank < old_procs:
+        src = {s.name: torch.ones(old.shards(s.name, rank).local_shape, dtype=torch_dtype(s.dtype))
+               for s in old.states}
+    t0 = time.perf_counter()
+    ready = allocate_destinations(plan, rank) if ahead and rank in early else {}
+    alloc_s = time.perf_counter() - t0
+    dist.barrier()
+    t0 = time.perf_counter()
+    dst, stats = run_transition(plan, rank, src, preallocated=ready)
+    engine_s = time.perf_counter() - t0
+    del dst, src, ready
+    gc.collect()
+    raw_s = min(raw_exchange(pair_bytes(plan), rank, 64 * MiB, 2))
+    return {"case": case, "way": "ahead" if ahead else "during", "engine_s": engine_s, "alloc_ahead_s": alloc_s,
+            "raw_s": raw_s, "seconds_wire": stats.seconds_wire, "seconds_local": stats.seconds_local,
+            "seconds_unpack": stats.seconds_unpack, "bytes_received": stats.bytes_received,
+            "bytes_sent": stats.bytes_sent, "bytes_local": stats.bytes_local, "peak_bytes": stats.peak_bytes,
+            "dst_bytes": stats.dst_bytes, "rounds": stats.rounds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="125m")
+    ap.add_argument("--cases", default="same-world,same-world-back")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--budget-mb", type=float, default=64.0)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trials = []
+    for r in range(args.repeats):
+        for case in args.cases.split(","):
+            for ahead in ((False, True) if r % 2 == 0 else (True, False)):  # alternate which way goes first
+                trials.append(one_switch(case, args, rank, world, ahead))
+    finish_rank(args.out, {"rank": rank, "trials": trials})
+
+
+if __name__ == "__main__":
+    main()

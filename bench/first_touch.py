@@ -1,0 +1,99 @@
+"""What the first touch of fresh memory costs a switch on CPU, and what allocating destinations ahead saves.
+
+    python bench/first_touch.py --model 125m --repeats 4 --json bench/results/first_touch.json
+
+The engine alone (no training) on synthetic states of ``--model`` (fp32 weights and both Adam moments), gloo:
+* same world, 2 processes: dp_shard=2 -> tp=2 and back. *during*: each destination is allocated when its first
+  bytes arrive, as a member's are (the memory bound); *ahead*: every destination comes from
+  `allocate_destinations` before the transfer (what a process with memory to spare can do);
+* scale-out, 4 processes (2 cores: oversubscribed): dp_shard=2 -> dp_shard=4 with two joiners; *ahead*: the joiners
+  allocate ahead, as `dynatrain join` does (they hold no sources, so it is within their bound).
+Per trial: the engine's seconds (barrier to return, the slowest process), the allocation ahead (outside the stall),
+and the raw p2p time of the same bytes per ordered pair, all at once, from and into touched buffers (`_raw_p2p.py`).
+The two ways alternate which goes first; median and range over ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dynatrain.launcher import launch_local
+
+WORKER = str(Path(__file__).resolve().parent / "_first_touch_worker.py")
+RUNS = [("same-world,same-world-back", 2), ("scale-out", 4)]
+
+
+def summarise(ranks: list[dict]) -> list[dict]:
+    rows = []
+    trials = list(zip(*[r["trials"] for r in ranks]))  # per trial, every process's record
+    for case in dict.fromkeys(t[0]["case"] for t in trials):
+        per_way = {}
+        for way in ("during", "ahead"):
+            mine = [t for t in trials if t[0]["case"] == case and t[0]["way"] == way]
+            engine = [max(p["engine_s"] for p in t) for t in mine]
+            raw = [max(p["raw_s"] for p in t) for t in mine]
+            per_way[way] = {"engine_s": spread(engine), "raw_s": spread(raw),
+                            "ratio_raw_to_engine": spread([r / e for r, e in zip(raw, engine)]),
+                            "alloc_ahead_s": spread([max(p["alloc_ahead_s"] for p in t) for t in mine]),
+                            # the engine's own split, slowest process per trial: where the rest of the time goes
+                            **{k: spread([max(p[k] for p in t) for t in mine])
+                               for k in ("seconds_wire", "seconds_local", "seconds_unpack")},
+                            "peak_bytes_max": max(p["peak_bytes"] for t in mine for p in t)}
+        first = next(t for t in trials if t[0]["case"] == case)
+        rows.append({"case": case, "bytes_received_max": max(p["bytes_received"] for p in first),
+                     "rounds": max(p["rounds"] for p in first), **per_way,
+                     "engine_ahead_over_during": per_way["ahead"]["engine_s"]["median"]
+                     / per_way["during"]["engine_s"]["median"]})
+    return rows
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| case | received MiB (max) | engine s, during | engine s, ahead | ahead / during | allocation ahead s "
+           "| raw / engine, during | raw / engine, ahead |", "|" + "---|" * 8]
+    f = lambda s: f"{s['median']:.3f} ({s['min']:.3f} to {s['max']:.3f})"
+    g = lambda s: f"{s['median']:.2f} ({s['min']:.2f} to {s['max']:.2f})"
+    for r in rows:
+        d, a = r["during"], r["ahead"]
+        out.append(f"| {r['case']} | {r['bytes_received_max'] / 2**20:.0f} | {f(d['engine_s'])} | {f(a['engine_s'])} "
+                   f"| {r['engine_ahead_over_during']:.2f} | {f(a['alloc_ahead_s'])} | {g(d['ratio_raw_to_engine'])} "
+                   f"| {g(a['ratio_raw_to_engine'])} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="125m")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--budget-mb", type=float, default=64.0)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    rows, raw = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for cases, procs in RUNS:
+            ranks = launch_local([WORKER, "--model", args.model, "--cases", cases, "--repeats", str(args.repeats),
+                                  "--budget-mb", str(args.budget_mb)], procs, Path(tmp), timeout=args.timeout,
+                                 env={"OMP_NUM_THREADS": "1"}, name="first-touch")
+            rows += summarise(ranks)
+            raw.append({"processes": procs, "ranks": ranks})
+    print(table(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
+                                               "wall_s": time.perf_counter() - t0, "rows": rows, "raw": raw}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
