@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/dynatrain fit --config recipes/llama-debug-elastic.yaml --elastic.max_devices 4 --elastic.standby 2
 
 # Two pytest workers: a multi-process test leaves cores idle while its ranks wait on each other, so two tests at once
-# fill them (about 13 instead of 20 minutes on 2 cores). tests/conftest.py keeps a module whose tests share one
+# fill them (about 10 instead of 20 minutes on 2 cores). tests/conftest.py keeps a module whose tests share one
 # reference run on one worker.
 TEST_WORKERS ?= 2
 
