@@ -26,6 +26,7 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ModulesWithAReference(LoadScopeScheduling):
+        # The method xdist's own loadfile and loadgroup schedulers override; pyproject.toml keeps xdist below 4.
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return path if path.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
