@@ -43,7 +43,7 @@ from pathlib import Path
 from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import launch_local, rank_env
+from dynatrain.launcher import joiner_env, launch_local, rank_env
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")
@@ -109,8 +109,8 @@ def run_online(args, tmp: Path) -> dict:
     spawner = Spawner(tmp)
     for i in scale_outs():
         joiner = base_argv(args, "online", tmp, i + 1)
-        joiner_env = {**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"}
-        spawner.when(tmp / f"decided-{i}", i, [(joiner, joiner_env) for _ in range(CHAIN[i + 1][1] - CHAIN[i][1])])
+        added = CHAIN[i + 1][1] - CHAIN[i][1]
+        spawner.when(tmp / f"decided-{i}", i, [(joiner, joiner_env(env, CHAIN[i + 1][1]))] * added)
     try:
         ranks = launch_local(base_argv(args, "online", tmp), CHAIN[0][1], tmp, timeout=args.timeout, env=env,
                              name="online")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import LaunchError, launch_local
+from dynatrain.launcher import LaunchError, joiner_env, launch_local
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_restart_worker.py")
@@ -84,8 +83,8 @@ def run_online(args, model: str, tmp: Path) -> dict:
     spawner = Spawner(tmp)  # the joiners start once the job trains on its smaller world (never, if it ends first)
     online = [WORKER, "--mode", "dynatrain", "--layout", RESTART_CHAIN[0][0], "--actions", ";".join(ONLINE_ACTIONS),
               "--gap", str(args.gap), "--start-at", str(args.start_at), *common_args(args, model)]
-    joiner_env = {**os.environ, **env, "DYNATRAIN_JOIN": "1", "PYTHONUNBUFFERED": "1"}
-    spawner.when(signal, f"joiner-{model}", [(online + ["--first", str(SCALE_OUT + 1)], joiner_env)] * 2)
+    joiner = (online + ["--first", str(SCALE_OUT + 1)], joiner_env(env, 4 + 2))  # the job: 4 members, 2 joiners
+    spawner.when(signal, f"joiner-{model}", [joiner] * 2)
     try:
         launched = time.time()
         try:

@@ -37,6 +37,18 @@ def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None
     return full
 
 
+def joiner_env(env: dict[str, str] | None, processes: int) -> dict[str, str]:
+    """The environment of a process that joins a running job (`dynatrain join`): this process's environment, then
+    ``env`` (the job's store endpoint and token), then the join flag; threads split the cores among ``processes``
+    unless ``env`` says otherwise."""
+    from dynatrain.elastic.manager import JOIN_ENV
+
+    full = {**os.environ, **(env or {}), JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}
+    full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    full.setdefault("WANDB_MODE", "offline")
+    return full
+
+
 # What a rank of dynatrain's own workers imports first: a launch with ``preload=PRELOAD`` pays it once.
 PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "dynatrain")
 
@@ -111,7 +123,7 @@ def launch_elastic(
     """
     import secrets
 
-    from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
+    from dynatrain.elastic.manager import ENDPOINT_ENV, TOKEN_ENV
     from dynatrain.elastic.store import start_store
 
     workdir = Path(workdir)
@@ -126,9 +138,7 @@ def launch_elastic(
             out, log = workdir / f"{name}-joiner{i}.json", workdir / f"{name}-joiner{i}.log"
             outs.append(out)
             logs.append(log)
-            full = {**os.environ, **env, JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}
-            full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nprocs + len(extras)))))
-            full.setdefault("WANDB_MODE", "offline")
+            full = joiner_env(env, nprocs + len(extras))
             with open(log, "w") as f:
                 procs.append(subprocess.Popen([sys.executable, *argv, *extra, "--out", str(out)], env=full,
                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
