@@ -12,6 +12,9 @@ import torch
 
 from _launch import launch
 from dynatrain.engine import TransitionError, allocate_destinations, run_transition, validate_sources
+from dynatrain.engine.transition import _RankTransition
+from dynatrain.models.specs import layout_for_model
+from dynatrain.planner.groups import kept_in_place, positions
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -100,6 +103,39 @@ def test_errors_name_the_bad_source():
     with pytest.raises(TransitionError, match="state 'w.m' has dtype torch.float32"):
         validate_sources(plan, 0, {**good, "w.m": torch.zeros(7, 5)})
     validate_sources(plan, 0, good)
+
+
+# TP's column shards are FSDP's rows, so a switch between them keeps those; a dp_shard change moves every row.
+@pytest.mark.parametrize("model,old,new,kind,keeps", [
+    ("debug", "dp_shard=2", "tp=2", "fp32-adam", True),
+    ("debug", "tp=2", "dp_shard=2", "bf16-adam", True),
+    ("debug", "dp_shard=4", "dp_shard=2,tp=2", "fp32-adam", True),
+    ("debug", "dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2", "fp32-adam", True),
+    ("debug", "dp_shard=4", "dp_shard=2", "fp32-adam", False),
+    ("moe-debug", "dp_shard=4,ep=2", "dp_shard=4,ep=4", "fp32-adam", True),
+])
+def test_the_phases_count_as_kept_exactly_the_states_the_engine_keeps(model, old, new, kind, keeps):
+    """The planner's phases leave a state a process keeps in place out of the bytes a phase doubles, so the engine
+    must adopt every such state (else it would allocate a second tensor the phase did not count)."""
+    layout = layout_for_model(model, ParallelConfig.parse(old), kind=kind)
+    plan = plan_switch(layout, new, budget_bytes=1 << 20)
+    procs = sorted(set(plan.old.processes) | set(plan.new.processes))
+    q_old, q_new = positions(plan.old, procs), positions(plan.new, procs)
+    any_kept = False
+    for p in sorted(set(plan.old.processes) & set(plan.new.processes)):
+        counted = set()
+        for i, s in enumerate(plan.old.states):
+            mask = kept_in_place(plan.old.class_arrays(plan.old.state_class[i]),
+                                 plan.new.class_arrays(plan.new.state_class[i]), q_old, q_new)
+            if mask[procs.index(p)]:
+                counted.add(s.name)
+        src = {s.name: torch.zeros(plan.old.shards(s.name, p).local_shape, dtype=torch.float32)
+               for s in plan.old.states}
+        run = _RankTransition(plan, p, src, None, None, "cpu")
+        run.keep_in_place()
+        assert counted == run.kept, (p, sorted(counted ^ run.kept)[:5])
+        any_kept |= bool(counted)
+    assert any_kept == keeps
 
 
 @pytest.mark.multiprocess

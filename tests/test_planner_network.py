@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dynatrain.models.specs import layout_for_model
@@ -46,3 +47,23 @@ def test_70b_128_to_64_is_predicted_under_a_second():
     for leave in ((), tuple(range(64, 128))):
         plan = plan_switch(old, "dp_shard=64", leave=leave, gpus_per_node=8)
         assert net.predict_seconds(plan.traffic) < 1.0
+
+
+def _busiest_link_seconds(net: NetworkModel, plan) -> float:
+    """The seconds of the whole switch's bytes as one round, without its latency: what its busiest link carries,
+    the least any schedule can take."""
+    src = np.concatenate([r.src for r in plan.traffic])
+    dst = np.concatenate([r.dst for r in plan.traffic])
+    return net._round_seconds(src, dst, np.concatenate([r.nbytes for r in plan.traffic])) - net.round_latency_s
+
+
+@pytest.mark.parametrize("new,leave", [("dp_shard=7,tp=8", range(56, 64)), ("dp_shard=16,tp=4", ())])
+def test_rounds_take_what_the_busiest_link_carries(new, leave):
+    # 70B at 64 ranks, a 2 GiB budget: several phases of several rounds. Each round moves the same fraction of every
+    # pair's bytes, so no rank sends in one round what it could have sent while receiving in another.
+    old = layout_for_model("llama3-70b", ParallelConfig.parse("dp_shard=8,tp=8"))
+    plan = plan_switch(old, new, leave=leave, budget_bytes=2 << 30, gpus_per_node=8)
+    net = NetworkModel()
+    assert plan.num_rounds > len(plan.groups) > 1
+    bound = _busiest_link_seconds(net, plan)
+    assert net.predict_seconds(plan.traffic) <= 1.01 * bound + plan.num_rounds * net.round_latency_s

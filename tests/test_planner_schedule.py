@@ -14,6 +14,7 @@ import pytest
 from _planner_check import execute
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner import plan_switch
+from dynatrain.planner.groups import kept_in_place, positions
 from dynatrain.planner.schedule import min_budget, schedule_pairs
 from dynatrain.vps import Layout, ParallelConfig, StateSpec
 
@@ -50,6 +51,19 @@ def test_star_meets_the_lower_bound():
     rounds = schedule_pairs(pairs, 24)
     assert len(rounds) == 2  # rank 0 moves 48 bytes at 24 per round
     assert all(use[0] <= 24 for use in _per_round_use(rounds))
+
+
+def test_every_round_moves_the_same_fraction_each_way():
+    # Rank 0 sends 8,000 bytes to 1 and receives 4,000 from 2: at 3,000 bytes a round it needs four rounds, and in
+    # each it sends twice what it receives, as over the whole switch. Half the budget to each pair would finish the
+    # receive early and leave the last rounds to the send alone, with the receiving link idle.
+    pairs = {(0, 1): ((4, 8000),), (2, 0): ((4, 4000),)}
+    rounds = schedule_pairs(pairs, 3000)
+    assert len(rounds) == 4
+    for rnd in rounds:
+        sent = sum(n for s, _, _, n in rnd if s == 0)
+        received = sum(n for _, d, _, n in rnd if d == 0)
+        assert sent + received <= 3000 and abs(sent - 2 * received) <= 8, rnd
 
 
 def test_random_pair_sets_respect_budget_and_cover_each_stream_once():
@@ -118,6 +132,28 @@ def test_phases_keep_the_doubled_state_under_the_budget():
             peak = max(peak, live + rp.staging_bytes(k))
             live -= sum(src[name] for (name, _), r in rp.release_round.items() if r == k)
         assert peak <= max(sum(src.values()), sum(dst.values())) + budget + largest // 2, p
+    execute(plan)
+
+
+def test_a_state_kept_in_place_does_not_count_against_its_phase():
+    # dp_shard=2 -> tp=2: the column-parallel weights' TP shards are the FSDP rows each process already holds, so
+    # the engine adopts them in place; only the rest doubles while it moves.
+    old = layout_for_model("debug", ParallelConfig(dp_shard=2))
+    new = plan_switch(old, "tp=2", budget_bytes=1 << 30).new
+    procs = [0, 1]
+    q_old, q_new = positions(old, procs), positions(new, procs)
+    doubled, moving = [0, 0], [0, 0]
+    for i, s in enumerate(old.states):
+        kept = kept_in_place(old.class_arrays(old.state_class[i]), new.class_arrays(new.state_class[i]), q_old, q_new)
+        for p in procs:
+            b = min(_held(old, s.name, p), _held(new, s.name, p))
+            doubled[p] += b
+            moving[p] += 0 if kept[p] else b
+    assert 0 < max(moving) < max(doubled) // 2
+    # Half the budget holds what moves: one phase, though counting every state would take several.
+    plan = plan_switch(old, "tp=2", budget_bytes=2 * max(moving))
+    assert len(plan.groups) == 1 and sorted(plan.groups[0]) == list(range(len(old.states)))
+    assert len(plan_switch(old, "tp=2", budget_bytes=2 * max(moving) - 64).groups) == 2
     execute(plan)
 
 
@@ -198,7 +234,7 @@ def test_plans_built_in_separate_processes_are_equal():
 
 
 def _reference_rounds(pair_bytes: dict, budget: int) -> tuple:
-    """The greedy of `schedule_pairs` written pair by pair, as it was before it ran on arrays."""
+    """The rounds of `schedule_pairs` written pair by pair in plain integers."""
     need = max((size for segs in pair_bytes.values() for size, b in segs if b), default=1)
     pairs = [p for p in sorted(pair_bytes) if sum(b for _, b in pair_bytes[p])]
     ends = []
@@ -225,29 +261,37 @@ def _reference_rounds(pair_bytes: dict, budget: int) -> tuple:
     offset, active, rounds = [0] * len(pairs), list(range(len(pairs))), []
     while active:
         active.sort(key=lambda i: (-max(load[pairs[i][0]], load[pairs[i][1]]), (offset[i] << 10) // total[i], pairs[i]))
-        room: dict[int, int] = {}
-        degree: dict[int, int] = {}
+        top = max(load.values())
+        start = {i: offset[i] for i in active}
+        # Pass 1: every pair the same fraction, budget / top, of what it has left.
+        share = {i: total[i] - offset[i] if top <= budget else (total[i] - offset[i]) * budget // top for i in active}
+        room = {r: budget for r in load}
+        for i in active:
+            offset[i] = max(snap(ends[i], offset[i] + share[i]), offset[i])
+            for r in pairs[i]:
+                room[r] -= offset[i] - start[i]
+        # Pass 2: in order, what rounding down took from fine shares, capped; anything if pass 1 moved nothing.
+        moved = any(offset[i] > start[i] for i in active)
+        for i in active:
+            s, d = pairs[i]
+            if offset[i] >= total[i] or (moved and share[i] >= 64 * need):
+                continue
+            want = min(room[s], room[d], total[i] - offset[i])
+            if moved:
+                want = min(want, max(2 * need, share[i] // 16))
+            if want <= 0:
+                continue
+            n = snap(ends[i], offset[i] + want) - offset[i]
+            if n <= 0:
+                continue
+            offset[i] += n
+            room[s] -= n
+            room[d] -= n
         for i in active:
             for r in pairs[i]:
-                degree[r] = degree.get(r, 0) + 1
-        start = {i: offset[i] for i in active}
-        for fair_pass in (True, False):
-            for i in active:
-                s, d = pairs[i]
-                want = min(room.get(s, budget), room.get(d, budget), total[i] - offset[i])
-                if fair_pass:
-                    want = min(want, max(need, budget // max(degree[s], degree[d])))
-                if want <= 0:
-                    continue
-                n = snap(ends[i], offset[i] + want) - offset[i]
-                if n <= 0:
-                    continue
-                offset[i] += n
-                room[s] = room.get(s, budget) - n
-                room[d] = room.get(d, budget) - n
-                load[s] -= n
-                load[d] -= n
-        rounds.append(tuple(sorted((*pairs[i], start[i], offset[i] - start[i]) for i in active if offset[i] > start[i])))
+                load[r] -= offset[i] - start[i]
+        rounds.append(tuple(sorted((*pairs[i], start[i], offset[i] - start[i])
+                                   for i in active if offset[i] > start[i])))
         active = [i for i in active if offset[i] < total[i]]
     return tuple(rounds)
 

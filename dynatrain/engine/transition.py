@@ -78,7 +78,9 @@ def run_transition(
     ``group_ranks``: plan process id -> rank in ``group`` (mapping, sequence or callable); default identity.
     ``device``: where destinations and the staging buffer live; default the device of the sources (CPU for a
     process that holds none). ``keep_in_place``: adopt a source tensor as the destination when the new local
-    tensor is exactly the old one (same shape, every element stays where it is): no copy, no extra memory.
+    tensor is exactly the old one (same shape, every element stays where it is): no copy, no extra memory. The
+    plan's phases count such states as doubling nothing (`planner.groups`), so with it off the peak may pass the
+    bound by their size.
     ``preallocated``: state name -> an empty destination allocated before the call (`allocate_destinations`),
     written in place instead of one allocated during the transfer; it counts as live from the start, so the
     memory bound is the caller's to keep. Each must have the new local shape, the dtype and the device.

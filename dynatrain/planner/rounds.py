@@ -3,12 +3,18 @@
 Only byte counts are scheduled here (global, integers only, so every rank computes the same rounds). Each pair's
 bytes form one *stream*; a round gives a pair one contiguous slice of it (`Slices`: a round's messages as arrays).
 
-Per round, pairs are taken busiest rank first; among equals the pair furthest behind in its stream (fraction done,
-in 1/1024ths), then by ids. Pass 1 gives each pair at most a fair share of its busier end's budget (the budget over
-that end's active pairs), so a rank sends and receives in the same round; pass 2 hands out the room that is left.
-A rank's fair shares add up to at most the budget, so pass 1 never runs out of room unless one element is bigger
-than a fair share: then, and for pass 2, the pairs are walked one by one in order, since the room each gets depends
-on those before it. Pass 1 is computed for all pairs at once otherwise, which is what keeps millions of pairs cheap.
+Pass 1 gives every pair the same fraction of what it has left: budget / (the busiest rank's sent + received bytes
+left), rounded down to whole elements. A rank's shares then add up to at most the budget, the busiest rank fills
+it, and every rank sends and receives in the same proportion in every round. A round lasts as long as its most
+loaded link, so the rounds together take what the busiest link carries in all, the least any schedule can, in
+ceil(busiest / budget) rounds or one more. Handing the room left over to whichever pair comes first would let one
+rank fill a round with sends and the next with receives, and the rounds would add up to twice that.
+
+Pass 2 walks pairs one by one, busiest rank first, then the pair furthest behind in its stream (in 1/1024ths), then
+by ids, and gives back what rounding down took where that is a noticeable part of a share (one under 64 of the
+widest elements), at most a sixteenth more than the share. When pass 1 moved nothing (a budget of a few elements)
+it walks every pair and hands out the whole room, so every round moves at least one element. Pass 1 is computed
+for all pairs at once and pass 2 visits only small shares, which is what keeps millions of pairs cheap.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dynatrain.planner.pair_bytes import PairBytes, sum_by
 
 Slice = tuple[int, int, int, int]  # (src, dst, stream offset, bytes)
 MAX_ROUNDS = 100_000  # beyond this a budget is a typo (bytes for MiB), not a plan anyone wants to run
+_EXACT_PRODUCT = 2 ** 63  # bytes x budget below this is exact in int64
+_FINE = 64  # a share under this many of the widest elements loses a noticeable part of itself to rounding down
 
 
 class Slices(Sequence):
@@ -109,7 +117,7 @@ def _snap_one(ends: list[int], sizes: list[int], x: int) -> int:
 
 
 def _walk(order, si, di, ends, sizes, offset, total, room, cap) -> None:
-    """Give the pairs of ``order`` in turn what both ends still have room for (at most ``cap[c]`` for the c-th
+    """Give the pairs of ``order`` in turn what both ends still have room for (at most ``cap[c]`` more for the c-th
     when given), updating ``offset`` and ``room`` in place."""
     size_l = sizes.tolist()
     for c, i in enumerate(order.tolist()):
@@ -154,33 +162,30 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
     rounds = []
     while len(active):
         # Busiest rank first; among equals the pair furthest behind in its stream (in 1/1024ths), then ids
-        # (``active`` is ascending and the sort stable), so a rank's streams walk through the states together.
+        # (``active`` is ascending and the sort stable): the order in which pass 2 hands out what is left.
         busy = np.maximum(load[si[active]], load[di[active]])
         act = active[np.lexsort(((offset[active] << 10) // total[active], -busy))]
         s_act, d_act = si[act], di[act]
-        degree = np.bincount(s_act, minlength=len(ranks)) + np.bincount(d_act, minlength=len(ranks))
         start = offset[act].copy()
-        fair = np.maximum(need, budget // np.maximum(degree[s_act], degree[d_act]))
-        if need <= budget // int(degree.max()):
-            # Every fair share at a rank is at most budget // its degree: the room never runs out in this pass.
-            want = np.minimum(fair, total[act] - start)
-            offset[act] = np.maximum(_snap(ends[act], pb.sizes, start + want), start)
-            taken = offset[act] - start
-            room = (budget - np.bincount(s_act, weights=taken, minlength=len(ranks))
-                    - np.bincount(d_act, weights=taken, minlength=len(ranks))).astype(np.int64).tolist()
-        else:
-            room = [budget] * len(ranks)
-            off_l = offset.tolist()
-            _walk(act, si.tolist(), di.tolist(), ends, pb.sizes, off_l, total.tolist(), room, fair.tolist())
-            offset = np.array(off_l, dtype=np.int64)
+        share = _shares(total[act] - start, budget, int(load.max()))
+        offset[act] = np.maximum(_snap(ends[act], pb.sizes, start + share), start)
+        taken = offset[act] - start
+        room = (budget - sum_by(s_act, taken, len(ranks)) - sum_by(d_act, taken, len(ranks))).tolist()
         left = np.flatnonzero(offset[act] < total[act])
+        if taken.any():
+            # Only where rounding down to whole elements took a noticeable part of the share (it is under 64 of
+            # the widest elements): at 16,384 ranks the walk would otherwise visit every pair of every round.
+            left = left[share[left] < _FINE * need]
         room_a = np.array(room, dtype=np.int64)
         left = left[(room_a[s_act[left]] > 0) & (room_a[d_act[left]] > 0)]
         if len(left):
             idx = act[left]
+            # Give back what rounding down took, at most a sixteenth more than the share: enough to fill a budget of a
+            # few elements, too little to unbalance a round. Anything when pass 1 moved nothing.
+            cap = None if not taken.any() else np.maximum(2 * need, share[left] // 16).tolist()
             off_l = dict(zip(idx.tolist(), offset[idx].tolist()))
             _walk(idx, si.tolist(), di.tolist(), ends, pb.sizes, off_l, dict(zip(idx.tolist(), total[idx].tolist())),
-                  room, None)
+                  room, cap)
             offset[idx] = np.fromiter((off_l[i] for i in idx.tolist()), dtype=np.int64, count=len(idx))
         taken = offset[act] - start
         load -= sum_by(s_act, taken, len(ranks)) + sum_by(d_act, taken, len(ranks))
@@ -190,6 +195,18 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
         rounds.append((rows, start[moved][order], taken[moved][order]))
         active = np.sort(act[offset[act] < total[act]])
     return rounds
+
+
+def _shares(left: np.ndarray, budget: int, top: int) -> np.ndarray:
+    """Each pair's bytes for this round, before snapping: its bytes left times budget / ``top`` (the busiest rank's
+    load left), rounded down, so every rank's shares add up to at most the budget and every rank moves the same
+    fraction of what it has left in each direction. All of it once the busiest rank's load fits."""
+    if top <= budget:
+        return left
+    if int(left.max(initial=0)) < _EXACT_PRODUCT // budget:
+        return left * budget // top
+    # Past int64: float64, scaled down by far more than its rounding error, so no share is ever rounded up.
+    return np.floor(left * (budget / top * (1.0 - 2.0 ** -30))).astype(np.int64)
 
 
 def schedule_pairs(pair_bytes: Mapping, budget: int) -> tuple[tuple[Slice, ...], ...]:

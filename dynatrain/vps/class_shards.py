@@ -2,8 +2,9 @@
 
 A 405B layout at 16,384 positions has some 200,000 (class, position) entries; one `LocalShards` object each would
 cost seconds to build, and the planner only reads the boxes as arrays. So a class's shards are held as arrays and
-behave as the tuple of `LocalShards` they stand for: ``shards[q]`` builds position ``q``'s entry when asked, and
-they compare equal to that tuple.
+behave as the tuple of `LocalShards` they stand for: ``shards[q]`` builds position ``q``'s entry when asked (once:
+the engine asks for the same few positions hundreds of times inside the stall), and they compare equal to that
+tuple. The arrays are never written after construction, which is what makes the entries safe to keep.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class ClassShards(Sequence):
         self.hi = np.asarray(hi, dtype=np.int64).reshape(-1, ndim)
         self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, ndim)
         self.local_shape = np.asarray(local_shape, dtype=np.int64)
+        self._built: dict[int, LocalShards] = {}
 
     @classmethod
     def of(cls, shards: Sequence[LocalShards]) -> "ClassShards":
@@ -92,13 +94,20 @@ class ClassShards(Sequence):
             q += len(self)
         if not 0 <= q < len(self):
             raise IndexError(f"position {q} of {len(self)}")
+        built = self._built.get(q)
+        if built is None:
+            built = self._built[q] = self._build(q)
+        return built
+
+    def _build(self, q: int) -> LocalShards:
         a, b = int(self.ptr[q]), int(self.ptr[q + 1])
         lo, hi, off = self.lo[a:b].tolist(), self.hi[a:b].tolist(), self.offsets[a:b].tolist()
         return LocalShards(tuple(Box._trusted(tuple(x), tuple(y)) for x, y in zip(lo, hi)),
                            tuple(tuple(o) for o in off), tuple(self.local_shape[q].tolist()))
 
     def __iter__(self) -> Iterator[LocalShards]:
-        return (self[q] for q in range(len(self)))
+        # Not kept: a walk over every position (a comparison, a 16,384-rank check) would keep them all.
+        return (self._built[q] if q in self._built else self._build(q) for q in range(len(self)))
 
     def __eq__(self, other) -> bool:
         if isinstance(other, ClassShards):

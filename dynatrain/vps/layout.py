@@ -236,6 +236,14 @@ class Layout:
     def class_boxes(self, c: int) -> ClassBoxes:
         return self._class_boxes[c]
 
+    def class_arrays(self, c: int) -> ClassShards:
+        """Class ``c``'s shards as arrays, offsets and local shapes included (converted once if held as objects)."""
+        return self._class_arrays[c]
+
+    @cached_property
+    def _class_arrays(self) -> tuple[ClassShards, ...]:
+        return tuple(ClassShards.of(shards) for shards in self.classes)
+
     @cached_property
     def _class_boxes(self) -> tuple[ClassBoxes, ...]:
         out = []
