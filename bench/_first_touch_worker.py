@@ -1,12 +1,20 @@
-"""One process of `bench/first_touch.py`: the engine alone on synthetic states, destinations allocated during the
-transfer or ahead of it, alternating, ``--repeats`` times each."""
+"""One process of `bench/first_touch.py`: the engine alone on synthetic states, each of ``--ways`` in turn (the order
+rotating from one repeat to the next), ``--repeats`` times each.
+
+Ways: ``during`` (destinations allocated when their first bytes arrive), ``ahead`` (allocated before the transfer by
+the processes the case names) and ``every-state`` (as ``during``, but with phases that count every state as
+doubling while it moves, kept in place or not: how `planner.groups` cut a switch before it left such states out).
+"""
 
 import argparse
 import gc
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+import dynatrain.planner.groups as groups
 
 from _raw_p2p import pair_bytes, raw_exchange  # this folder
 from dynatrain.engine import allocate_destinations, run_transition, torch_dtype
@@ -24,12 +32,23 @@ CASES = {
 }
 
 
-def one_switch(case: str, args, rank: int, world: int, ahead: bool) -> dict:
+def _nothing_kept(old, new, q_old, q_new):
+    return np.zeros(len(q_old), dtype=bool)
+
+
+def one_switch(case: str, args, rank: int, world: int, way: str) -> dict:
     old_cfg, old_procs, new_cfg, early = CASES[case]
     old = layout_for_model(args.model, ParallelConfig.parse(old_cfg))
     joiners = list(range(old_procs, world))
-    plan = plan_switch(old, new_cfg, budget_bytes=int(args.budget_mb * MiB), rank_map="identity",
-                       joiners=joiners or None)
+    kept_in_place = groups.kept_in_place
+    if way == "every-state":
+        groups.kept_in_place = _nothing_kept
+    try:
+        plan = plan_switch(old, new_cfg, budget_bytes=int(args.budget_mb * MiB), rank_map="identity",
+                           joiners=joiners or None)
+    finally:
+        groups.kept_in_place = kept_in_place
+    ahead = way == "ahead"
     src = {}
     if rank < old_procs:
         src = {s.name: torch.ones(old.shards(s.name, rank).local_shape, dtype=torch_dtype(s.dtype))
@@ -44,11 +63,11 @@ def one_switch(case: str, args, rank: int, world: int, ahead: bool) -> dict:
     del dst, src, ready
     gc.collect()
     raw_s = min(raw_exchange(pair_bytes(plan), rank, 64 * MiB, 2))
-    return {"case": case, "way": "ahead" if ahead else "during", "engine_s": engine_s, "alloc_ahead_s": alloc_s,
+    return {"case": case, "way": way, "engine_s": engine_s, "alloc_ahead_s": alloc_s,
             "raw_s": raw_s, "seconds_wire": stats.seconds_wire, "seconds_local": stats.seconds_local,
             "seconds_unpack": stats.seconds_unpack, "bytes_received": stats.bytes_received,
             "bytes_sent": stats.bytes_sent, "bytes_local": stats.bytes_local, "peak_bytes": stats.peak_bytes,
-            "dst_bytes": stats.dst_bytes, "rounds": stats.rounds}
+            "peak_bound": stats.peak_bound, "dst_bytes": stats.dst_bytes, "rounds": stats.rounds}
 
 
 def main() -> None:
@@ -58,14 +77,16 @@ def main() -> None:
     ap.add_argument("--cases", default="same-world,same-world-back")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--budget-mb", type=float, default=64.0)
+    ap.add_argument("--ways", default="during,ahead")
     args = ap.parse_args()
+    ways = args.ways.split(",")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     trials = []
     for r in range(args.repeats):
         for case in args.cases.split(","):
-            for ahead in ((False, True) if r % 2 == 0 else (True, False)):  # alternate which way goes first
-                trials.append(one_switch(case, args, rank, world, ahead))
+            for way in ways[r % len(ways):] + ways[:r % len(ways)]:  # each way goes first in turn
+                trials.append(one_switch(case, args, rank, world, way))
     finish_rank(args.out, {"rank": rank, "trials": trials})
 
 
