@@ -1,6 +1,9 @@
 """Start N local ranks the way a cluster launcher does (env vars per rank), for selfcheck, benchmarks and tests.
 
-Each call takes a fresh port: re-forming a process group on a used port hangs or fails on torch 2.13.
+Each call hosts a fresh store for its ranks, as torchrun's agent does: re-forming a process group on a used store
+hangs or fails on torch 2.13. The launcher binds it on a port the kernel picks and holds it until its ranks are
+done. Picking a free port for rank 0 to bind later lost, now and then, to a process that bound port 0 in between
+(every gloo listener does): with two test workers, a rank 0 failed with EADDRINUSE.
 """
 
 from __future__ import annotations
@@ -8,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,10 +18,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Every rank of a `launch_local` is a client of the store the launcher holds (torch's env:// rendezvous reads it).
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 class LaunchError(RuntimeError):
@@ -65,12 +65,15 @@ def launch_local(
     ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
     (`dynatrain.forked_ranks`), where the platform can fork.
     """
+    import torch.distributed as dist
+
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
-    envs = [rank_env(rank, nprocs, port, env) for rank in range(nprocs)]
+    envs = [{**rank_env(rank, nprocs, port, env), AGENT_STORE_ENV: "True"} for rank in range(nprocs)]
     if preload and hasattr(os, "fork"):
         procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload)
     else:
@@ -99,6 +102,7 @@ def launch_local(
                 p.wait()
         for p in procs:
             getattr(p, "close", lambda: None)()
+        del store
     failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in may_die]
     if failed:
         forked = isinstance(procs[0], _ForkedRank)
