@@ -28,11 +28,11 @@ def static_losses(tmp_path_factory):
 def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses):
     steps = STEPS
     # The second joiner starts only once the members wait for it to reach dp_shard=2,tp=2 and prepare that world
-    # change in the background.
+    # change in the background; they train on, but not past step 7 without it.
     signal = str(tmp_path / "preparing")
     members, joiners = launch_elastic(
         "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES,
-                          "--prepared-signal", f"dp_shard=2,tp=2@{signal}"],
+                          "--prepared-signal", f"dp_shard=2,tp=2@{signal}", "--hold-for-joiner", str(steps - 1)],
         tmp_path / "e", joiners=[[], ["--start-after", signal]], timeout=360,
     )
     # Ranks 2 and 3 left at the first switch, with status 0, after sending their shards.

@@ -29,12 +29,16 @@ class Script(pl.Callback):
     joiner resumes it from the members' at the switch that admitted it, whichever switch that was."""
 
     def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], die: tuple[int, int] | None,
-                 prepared_signal: tuple[str, str] | None = None):
+                 prepared_signal: tuple[str, str] | None = None, hold_for_joiner: int | None = None):
         self.entries = entries
         self.next = 0
         self.die = die  # (step, rank): that rank is killed at the boundary where a switch is pending
         # (layout, file): rank 0 creates the file once a world change to that layout is being prepared
         self.prepared_signal = prepared_signal
+        # From this step's boundary on, a pending scale-out holds training until a joiner is ready: rank 0 waits
+        # here, the others in the scale-out's broadcast. Else a joiner slow to start (a loaded machine) is admitted
+        # only after the last step and trains none.
+        self.hold_for_joiner = hold_for_joiner
 
     def state_dict(self) -> dict:
         return {"next": self.next}
@@ -51,6 +55,14 @@ class Script(pl.Callback):
         if self.prepared_signal and trainer.global_rank == 0 and prepared is not None \
                 and prepared.inputs.target.short() == self.prepared_signal[0]:
             Path(self.prepared_signal[1]).touch()
+        pending = strategy._switcher.pending
+        if (self.hold_for_joiner is not None and trainer.global_step >= self.hold_for_joiner
+                and trainer.global_rank == 0 and pending is not None
+                and pending.target.world_size > strategy.world_size - len(pending.leave)
+                and strategy._switcher.at_boundary()):
+            deadline = time.monotonic() + 120
+            while not strategy.elastic.ready_joiners() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         strategy = trainer.strategy
@@ -114,6 +126,8 @@ def main() -> None:
     ap.add_argument("--prepared-signal", default=None, metavar="LAYOUT@FILE", help="rank 0 creates FILE once a "
                     "world change to LAYOUT, waiting for joiners, is being prepared in the background")
     ap.add_argument("--start-after", default=None, help="a joiner starts training only once this file exists")
+    ap.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
+                    help="from this step on, a pending scale-out holds training until a joiner is ready")
     ap.add_argument("--user-model", default=None, metavar="OPTIMIZER",
                     help="train tests/workers/user_model.py's UserLM with this optimizer instead of LlamaLM")
     args = ap.parse_args()
@@ -131,7 +145,8 @@ def main() -> None:
     )
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     die = tuple(int(x) for x in args.die.split(":")) if args.die else None
-    script = Script(entries, die, tuple(args.prepared_signal.split("@")) if args.prepared_signal else None)
+    script = Script(entries, die, tuple(args.prepared_signal.split("@")) if args.prepared_signal else None,
+                    args.hold_for_joiner)
     callbacks = [script]
     if args.crash:
         callbacks.append(Crash(*(int(x) for x in args.crash.split(":"))))
