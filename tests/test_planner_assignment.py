@@ -145,3 +145,135 @@ def test_identity_packs_groups_into_nodes_that_have_room():
         identity_map(cands, ParallelConfig(dp_shard=3, tp=4), 4)
     with pytest.raises(ValueError, match="does not fit in a node"):
         identity_map(cands, ParallelConfig(tp=8), 4)
+
+
+def _plain_node_map(w, cands, pcfg, gpus_per_node):
+    """The node-constrained search with no shortcut: every block through the assignment solver, every move and
+    swap tried, the local search run whatever the node capacities."""
+    from scipy.optimize import linear_sum_assignment
+
+    tp, n_groups = pcfg.tp, pcfg.world_size // pcfg.tp
+    nodes = sorted({p // gpus_per_node for p in cands})
+    rows = [[i for i, p in enumerate(cands) if p // gpus_per_node == n] for n in nodes]
+    caps = [min(len(r) // tp, n_groups) for r in rows]
+
+    def solve(sub):
+        r, c = linear_sum_assignment(sub.astype(np.float64), maximize=True)
+        return r, c
+
+    def kept(n, groups):
+        if not groups:
+            return 0
+        sub = w[np.ix_(rows[n], [g * tp + t for g in groups for t in range(tp)])]
+        r, c = solve(sub)
+        return int(sub[r, c].sum())
+
+    value = np.array([[kept(n, (g,)) if caps[n] else 0 for g in range(n_groups)] for n in range(len(nodes))])
+    slot_node = [n for n, cap in enumerate(caps) for _ in range(cap)]
+    s_idx, g_idx = solve(value[slot_node])
+    node_of = [0] * n_groups
+    for s, g in zip(s_idx.tolist(), g_idx.tolist()):
+        node_of[g] = slot_node[s]
+    on = [[g for g in range(n_groups) if node_of[g] == n] for n in range(len(nodes))]
+    for _ in range(50):
+        improved = False
+        for g in range(n_groups):
+            a = node_of[g]
+            for b in np.nonzero(value[:, g])[0].tolist():
+                if b == a:
+                    continue
+                rest_a = tuple(x for x in on[a] if x != g)
+                base = kept(a, tuple(on[a])) + kept(b, tuple(on[b]))
+                best, partner = 0, None
+                if len(on[b]) < caps[b]:
+                    best = kept(a, rest_a) + kept(b, tuple(sorted(on[b] + [g]))) - base
+                for h in on[b]:
+                    gain = (kept(a, tuple(sorted(rest_a + (h,))))
+                            + kept(b, tuple(sorted([x for x in on[b] if x != h] + [g]))) - base)
+                    if gain > best:
+                        best, partner = gain, h
+                if best > 0:
+                    on[a].remove(g)
+                    on[b] = sorted(on[b] + [g])
+                    node_of[g] = b
+                    if partner is not None:
+                        on[b].remove(partner)
+                        on[a] = sorted(on[a] + [partner])
+                        node_of[partner] = a
+                    improved = True
+                    break
+        if not improved:
+            break
+    out = [-1] * pcfg.world_size
+    for n, groups in enumerate(on):
+        if groups:
+            cols = [g * tp + t for g in groups for t in range(tp)]
+            r, c = solve(w[np.ix_(rows[n], cols)])
+            for ri, ci in zip(r.tolist(), c.tolist()):
+                out[cols[ci]] = cands[rows[n][ri]]
+    return out
+
+
+def _random_saved(rng, n_cands, n_pos, density):
+    """A saved-bytes matrix with rows of one entry, columns of one entry and denser blocks mixed."""
+    w = np.zeros((n_cands, n_pos), dtype=np.int64)
+    for c in range(n_cands):
+        kind = rng.integers(3)
+        if kind == 0:
+            w[c, rng.integers(n_pos)] = rng.integers(1, 100)
+        elif kind == 1:
+            hit = rng.random(n_pos) < density
+            w[c, hit] = rng.integers(1, 100, int(hit.sum()))
+    return w
+
+
+def test_the_node_search_takes_shortcuts_that_change_nothing():
+    # Blocks whose rows or columns hold one entry each are valued without the solver, a move or swap that cannot
+    # gain is not tried, and one group per node skips the search: the map must equal the plain search's.
+    rng = np.random.default_rng(3)
+    checked = 0
+    for old_cfg, new_cfg, leave, g in _cases():
+        w, cands = _problem(old_cfg, new_cfg, leave)
+        try:
+            ours = optimal_map(w, cands, new_cfg, g)
+        except ValueError as err:
+            assert "cannot keep" in str(err)
+            continue
+        assert ours == _plain_node_map(w, cands, new_cfg, g), (old_cfg, new_cfg, leave, g)
+        checked += 1
+    for _ in range(40):
+        gpn = int(rng.choice([4, 8]))
+        tp = int(rng.choice([2, 4]))
+        nodes = int(rng.integers(2, 5))
+        cands = sorted(rng.choice(nodes * gpn, nodes * gpn - int(rng.integers(0, 3)), replace=False).tolist())
+        per_node = [sum(1 for p in cands if p // gpn == n) for n in range(nodes)]
+        groups = sum(k // tp for k in per_node) - int(rng.integers(0, 2))
+        if groups < 1:
+            continue
+        pcfg = ParallelConfig(dp_shard=groups, tp=tp)
+        w = _random_saved(rng, len(cands), pcfg.world_size, float(rng.choice([0.1, 0.3])))
+        assert optimal_map(w, cands, pcfg, gpn) == _plain_node_map(w, cands, pcfg, gpn), (gpn, tp, cands)
+        checked += 1
+    assert checked >= 50
+
+
+def test_a_block_is_valued_as_the_solver_values_it():
+    from scipy.optimize import linear_sum_assignment
+
+    from dynatrain.planner.assignment import _lap_value, _NodeRows
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        r, c = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        block = _random_saved(rng, r, c, float(rng.choice([0.2, 0.6])))
+        if rng.random() < 0.3:
+            block = block.T.copy()
+        rows, cols = linear_sum_assignment(block, maximize=True)
+        assert _lap_value(block) == int(block[rows, cols].sum()), block
+    tp = 4
+    w = _random_saved(rng, 8, 6 * tp, 0.2)
+    node = _NodeRows(w, [list(range(8))], tp)
+    for i, g in enumerate(node.useful_groups(0).tolist()):
+        sub = w[:, g * tp:(g + 1) * tp]
+        rows, cols = linear_sum_assignment(sub, maximize=True)
+        assert node.group_values(0)[i] == int(sub[rows, cols].sum())

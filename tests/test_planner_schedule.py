@@ -309,3 +309,46 @@ def test_schedule_pairs_equals_the_pair_by_pair_greedy_on_random_cases():
             continue
         budget = rng.choice([8, 9, 13, 32, 64, 100, 1000]) * rng.randint(1, 3)
         assert schedule_pairs(pair_bytes, budget) == _reference_rounds(pair_bytes, budget), case
+
+
+@pytest.mark.parametrize("top", [40, 1 << 40])
+def test_process_ids_index_and_sum_as_unique_would(top):
+    # Small ids take a presence mask, ids far above the count the sort: both must give np.unique's answer.
+    from dynatrain.planner.pair_bytes import index_ids, sum_by_id
+
+    rng = np.random.default_rng(top % 97)
+    src, dst = rng.integers(0, top, 300), rng.integers(0, top, 200)
+    ids, inverse = np.unique(np.concatenate([src, dst]), return_inverse=True)
+    n, (si, di) = index_ids(src, dst)
+    assert n == len(ids)
+    assert np.array_equal(si, inverse[:300]) and np.array_equal(di, inverse[300:])
+    values = rng.integers(0, 1 << 40, 300)
+    held, sums = sum_by_id(src, values)
+    assert np.array_equal(held, np.unique(src))
+    assert sums.tolist() == [int(values[src == i].sum()) for i in held.tolist()]
+
+
+def test_identical_boxes_merge_in_the_order_unique_gives():
+    from dynatrain.planner.routing import _distinct
+
+    rng = np.random.default_rng(2)
+    lo = rng.integers(0, 4, (500, 3))
+    hi = lo + rng.integers(1, 3, (500, 3))
+    keys, inverse = np.unique(np.concatenate([lo, hi], axis=1), axis=0, return_inverse=True)
+    dlo, dhi, ptr, ind = _distinct(lo, hi)
+    assert np.array_equal(np.concatenate([dlo, dhi], axis=1), keys)
+    assert np.array_equal(ind, np.argsort(inverse.reshape(-1), kind="stable"))
+    assert np.array_equal(np.diff(ptr), np.bincount(inverse.reshape(-1)))
+
+
+@pytest.mark.parametrize("top", [300, 1 << 17])
+def test_pairs_index_as_unique_would(top):
+    # Ids that fit 16 bits take the radix sort, larger ones a comparison sort: both give np.unique's answer.
+    from dynatrain.planner.pair_bytes import pair_index
+
+    rng = np.random.default_rng(top % 89)
+    src, dst = rng.integers(0, top, 5000), rng.integers(0, 40, 5000)
+    keys, inverse = np.unique(src * top + dst, return_inverse=True)
+    pair_src, pair_dst, ours = pair_index(src, dst)
+    assert np.array_equal(pair_src, keys // top) and np.array_equal(pair_dst, keys % top)
+    assert np.array_equal(ours, inverse.reshape(-1))

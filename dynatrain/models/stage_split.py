@@ -31,9 +31,13 @@ def balanced_split(n_layers: int, n_stages: int, first_cost: float = 0.0, last_c
         extra = (first_cost if stage == 0 else 0.0) + (last_cost if stage == n_stages - 1 else 0.0)
         return (hi - lo) * layer_cost + extra
 
-    def solve(allowed, score, total):
+    def solve(allowed, score, total, pace=False):
         """Suffix DP over (stage k, first layer i): the best ``total`` (max or sum) of ``score(k, cost)`` over
-        stages k.., each stage's cost ``allowed(k, cost)``; returns the best of the whole split and the cuts."""
+        stages k.., each stage's cost ``allowed(k, cost)``; returns the best of the whole split and the cuts.
+
+        ``pace``: the score is the cost and the total the max, with nothing disallowed. The rest's best then
+        never rises as its first layer moves later (every stage of a shorter suffix can be made no longer), so
+        once stage k costs at least the rest, a longer stage k only does worse and the search over j stops."""
         inf = float("inf")
         best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
         cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
@@ -51,15 +55,24 @@ def balanced_split(n_layers: int, n_stages: int, first_cost: float = 0.0, last_c
                     # Strictly better only: the first (shortest) run wins ties, keeping early stages light.
                     if value < best[k][i] - 1e-9:
                         best[k][i], cut[k][i] = value, j
+                    if pace and c >= rest:
+                        break
         return best[0][0], cut
 
     def within(*caps):
-        return lambda k, c: all(c * w(k) <= cap + 1e-9 for w, cap in caps)
+        limits = [tuple((w(k), cap + 1e-9) for w, cap in caps) for k in range(n_stages)]
+
+        def allowed(k: int, c: float) -> bool:
+            for weight, limit in limits[k]:
+                if c * weight > limit:
+                    return False
+            return True
+        return allowed
 
     one = lambda k: 1.0  # noqa: E731
     in_flight = lambda k: float(n_stages - k)  # noqa: E731  (1F1B: stage k holds n - k micro-batches)
     # 1. the busiest stage as light as possible (the step's pace);
-    slowest, _ = solve(lambda k, c: True, lambda k, c: c, max)
+    slowest, _ = solve(lambda k, c: True, lambda k, c: c, max, pace=True)
     # 2. then the least peak of in-flight activations (stage k runs n - k forwards before its first backward);
     memory, _ = solve(within((one, slowest)), lambda k, c: in_flight(k) * c, max)
     # 3. then the most even split (least sum of squared costs) among those.

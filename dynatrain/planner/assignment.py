@@ -135,7 +135,7 @@ def _lap(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Maximum-weight assignment of every column to a distinct row (rows >= columns)."""
     if w.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    rows, cols = linear_sum_assignment(w.astype(np.float64), maximize=True)
+    rows, cols = linear_sum_assignment(np.asarray(w, dtype=np.float64), maximize=True)
     return rows, cols
 
 
@@ -188,22 +188,21 @@ def optimal_map(
     caps = [min(len(b) // tp, n_groups) for b in blocks]
     if sum(caps) < n_groups:
         raise _infeasible(pcfg, gpus_per_node, blocks)
-    rows_of = _NodeRows(w, blocks)
+    rows_of = _NodeRows(w, blocks, tp)
     # Level 1: value of each (node, group), an exact small assignment where the node holds anything useful.
-    value = np.zeros((len(blocks), n_groups), dtype=np.int64)
+    # float64, exact for byte counts below 2**53: the solver reads it as it is, with no copy of (nodes x groups).
+    value = np.zeros((len(blocks), n_groups))
     for n in range(len(blocks)):
-        if caps[n] == 0:
-            continue
-        for g in rows_of.useful_groups(n, n_groups, tp):
-            block = rows_of.block(n, range(g * tp, (g + 1) * tp))
-            r, c = _lap(block)
-            value[n, g] = int(block[r, c].sum())
+        if caps[n] > 0:
+            value[n, rows_of.useful_groups(n)] = rows_of.group_values(n)
     slot_node = [n for n, cap in enumerate(caps) for _ in range(cap)]
-    s_idx, g_idx = _lap(value[slot_node])
+    s_idx, g_idx = _lap(value if len(slot_node) == len(blocks) and max(caps) == 1 else value[slot_node])
     node_of_group = [0] * n_groups
     for s, g in zip(s_idx.tolist(), g_idx.tolist()):
         node_of_group[g] = slot_node[s]
-    node_of_group = _improve(rows_of, caps, tp, node_of_group, value)
+    if max(caps) > 1:
+        # With one group per node a node's value is its group's, which the assignment above maximised exactly.
+        node_of_group = _improve(rows_of, caps, node_of_group, value)
     # Level 2: exact placement inside each node.
     groups_on: list[list[int]] = [[] for _ in blocks]
     for g, n in enumerate(node_of_group):
@@ -214,64 +213,101 @@ def optimal_map(
             continue
         rows = blocks[n]
         cols = [g * tp + t for g in groups for t in range(tp)]
-        r, c = _lap(rows_of.block(n, cols))
+        r, c = _lap(rows_of.block(n, groups))
         for ri, ci in zip(r, c):
             out[cols[int(ci)]] = cands[rows[int(ri)]]
     return out
 
 
+def _lap_value(block: np.ndarray) -> int:
+    """The most a maximum-weight assignment of ``block``'s columns to distinct rows keeps."""
+    if not block.size:
+        return 0
+    hit = block > 0
+    # A process that saves on one position at most: each column's best row is then a row no other column
+    # wants, and the assignment takes every column's best. Likewise for rows when a position is saved on by
+    # one process at most.
+    if (hit.sum(axis=1) <= 1).all():
+        return int(block.max(axis=0).sum())
+    if (hit.sum(axis=0) <= 1).all():
+        return int(block.max(axis=1).sum())
+    r, c = _lap(block)
+    return int(block[r, c].sum())
+
+
 class _NodeRows:
-    """Each node's rows of ``W`` (its processes), read as small dense blocks. A sparse ``W`` stays sparse (at
-    16,384 processes the dense matrix takes 2 GiB): per node only the columns where it saves anything are kept."""
+    """Each node's rows of ``W`` (its processes) on the TP groups where it saves anything: per node a dense
+    ``(processes, useful groups, tp)`` array. A sparse ``W`` stays sparse (at 16,384 processes the dense matrix
+    takes 2 GiB), and the blocks the searches ask for many thousand times are slices of these arrays."""
 
-    def __init__(self, w, blocks: list[list[int]]) -> None:
-        self.blocks = blocks
-        self.sparse = issparse(w)
-        self.w = csr_matrix(w) if self.sparse else w
-        if self.sparse:
-            self.cols, self.vals = [], []
-            w = self.w
-            for rows in blocks:
+    def __init__(self, w, blocks: list[list[int]], tp: int) -> None:
+        self.blocks, self.tp = blocks, tp
+        self.groups: list[np.ndarray] = []  # per node: its useful groups, ascending
+        self.vals: list[np.ndarray] = []  # per node: (processes, len(groups), tp)
+        self._index: list[dict[int, int] | None] = []
+        sparse = issparse(w)
+        w = csr_matrix(w) if sparse else np.asarray(w)
+        for rows in blocks:
+            if not sparse:
+                sub = w[rows]
+                r, cols = np.nonzero(sub)
+                data = sub[r, cols]
+            elif rows and rows[-1] - rows[0] + 1 == len(rows):
                 # A node's processes are consecutive rows (candidates ascend): read their CSR entries directly.
-                if rows and rows[-1] - rows[0] + 1 == len(rows):
-                    a, b = w.indptr[rows[0]], w.indptr[rows[-1] + 1]
-                    r = np.repeat(np.arange(len(rows)), np.diff(w.indptr[rows[0]:rows[-1] + 2]))
-                    cols, data = w.indices[a:b], w.data[a:b]
-                else:
-                    sub = w[rows].tocoo()
-                    r, cols, data = sub.row, sub.col, sub.data
-                nz = np.unique(cols[data > 0])
-                dense = np.zeros((len(rows), len(nz)), dtype=w.dtype)
-                at = np.searchsorted(nz, cols)
-                hit = at < len(nz)
-                hit[hit] = nz[at[hit]] == cols[hit]
-                np.add.at(dense, (r[hit], at[hit]), data[hit])
-                self.cols.append(nz)
-                self.vals.append(dense)
+                a, b = w.indptr[rows[0]], w.indptr[rows[-1] + 1]
+                r = np.repeat(np.arange(len(rows)), np.diff(w.indptr[rows[0]:rows[-1] + 2]))
+                cols, data = w.indices[a:b], w.data[a:b]
+            else:
+                sub = w[rows].tocoo()
+                r, cols, data = sub.row, sub.col, sub.data
+            keep = data > 0
+            r, cols, data = r[keep], cols[keep].astype(np.int64), data[keep]
+            groups = np.unique(cols // tp)
+            dense = np.zeros((len(rows), len(groups), tp), dtype=w.dtype)
+            np.add.at(dense, (r, np.searchsorted(groups, cols // tp), cols % tp), data)
+            self.groups.append(groups)
+            self.vals.append(dense)
+            self._index.append(None)
 
-    def useful_groups(self, n: int, n_groups: int, tp: int) -> np.ndarray:
+    def useful_groups(self, n: int) -> np.ndarray:
         """TP groups (ascending) in which node ``n``'s processes save anything (entries are never negative)."""
-        if self.sparse:
-            return np.unique(self.cols[n] // tp)
-        sub = self.w[self.blocks[n]]
-        return np.nonzero(sub.reshape(len(self.blocks[n]), n_groups, tp).sum(axis=(0, 2)))[0]
+        return self.groups[n]
 
-    def block(self, n: int, cols) -> np.ndarray:
-        """``W[node n's rows][:, cols]``, dense."""
-        if not self.sparse:
-            return self.w[np.ix_(self.blocks[n], list(cols))]
-        cols = np.asarray(list(cols), dtype=np.int64)
-        nz = self.cols[n]
-        out = np.zeros((len(self.blocks[n]), len(cols)), dtype=self.vals[n].dtype)
-        at = np.searchsorted(nz, cols)
-        hit = at < len(nz)
-        hit[hit] = nz[at[hit]] == cols[hit]
-        out[:, hit] = self.vals[n][:, at[hit]]
+    def group_values(self, n: int) -> np.ndarray:
+        """Per useful group of node ``n``: the most its processes keep when they take that group's positions."""
+        vals = self.vals[n]
+        hit = vals > 0
+        # `_lap_value`'s two shortcuts for all groups at once; only the other groups need solving.
+        one_per_row = (hit.sum(axis=2) <= 1).all(axis=0)
+        one_per_col = (hit.sum(axis=0) <= 1).all(axis=1)
+        out = np.where(one_per_row, vals.max(axis=0).sum(axis=1), vals.max(axis=2).sum(axis=0)).astype(np.int64)
+        for i in np.flatnonzero(~one_per_row & ~one_per_col).tolist():
+            out[i] = _lap_value(vals[:, i])
         return out
+
+    def kept(self, n: int, groups: tuple[int, ...]) -> int:
+        """The most node ``n``'s processes keep when they take the positions of ``groups``. The groups where
+        they save nothing add only zero columns, which change no maximum, and are left out."""
+        index = self._index[n]
+        if index is None:
+            index = self._index[n] = {g: i for i, g in enumerate(self.groups[n].tolist())}
+        at = [index[g] for g in groups if g in index]
+        return _lap_value(self.vals[n][:, at].reshape(len(self.blocks[n]), -1)) if at else 0
+
+    def block(self, n: int, groups: list[int]) -> np.ndarray:
+        """``W[node n's rows]`` on every position of ``groups``, in order, dense."""
+        rows = len(self.blocks[n])
+        out = np.zeros((rows, len(groups), self.tp), dtype=self.vals[n].dtype)
+        have = self.groups[n]
+        g = np.asarray(groups, dtype=np.int64)
+        at = np.minimum(np.searchsorted(have, g), max(len(have) - 1, 0))
+        hit = have[at] == g if len(have) else np.zeros(len(g), dtype=bool)
+        out[:, hit] = self.vals[n][:, at[hit]]
+        return out.reshape(rows, -1)
 
 
 def _improve(
-    rows_of: _NodeRows, caps: list[int], tp: int, node_of_group: list[int], value: np.ndarray
+    rows_of: _NodeRows, caps: list[int], node_of_group: list[int], value: np.ndarray
 ) -> list[int]:
     """Local search on the group -> node map: move a group to a node with a free slot, or swap two groups,
     whenever the exact per-node values say the total improves. Only nodes where a group is worth something
@@ -282,14 +318,7 @@ def _improve(
         key = (n, groups)
         got = cache.get(key)
         if got is None:
-            if groups:
-                cols = [g * tp + t for g in groups for t in range(tp)]
-                sub = rows_of.block(n, cols)
-                r, c = _lap(sub)
-                got = int(sub[r, c].sum())
-            else:
-                got = 0
-            cache[key] = got
+            got = cache[key] = rows_of.kept(n, groups)
         return got
 
     n_groups = len(node_of_group)
@@ -301,10 +330,14 @@ def _improve(
         improved = False
         for g in range(n_groups):
             a = node_of_group[g]
+            rest_a = tuple(x for x in on[a] if x != g)
+            # What g adds at a. Moving g to b adds at most value[b, g] there, and taking h back adds at most
+            # value[a, h] at a (a block's best assignment never gains more than a column group's own best):
+            # a b where even that sum does not exceed it cannot gain, and is not tried.
+            margin = f(a, tuple(on[a])) - f(a, rest_a)
             for b in worth[g]:
-                if b == a:
+                if b == a or value[b, g] + max((value[a, h] for h in on[b]), default=0) <= margin:
                     continue
-                rest_a = tuple(x for x in on[a] if x != g)
                 base = f(a, tuple(on[a])) + f(b, tuple(on[b]))
                 best, partner = 0, None  # partner None: a plain move into a free slot of b
                 if len(on[b]) < caps[b]:

@@ -89,18 +89,30 @@ def state_groups(old: Layout, new: Layout, limit: int) -> tuple[tuple[int, ...],
     # of keys, and one vector per state would take a GiB.
     doubles: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
     moves: dict[tuple[int, int], np.ndarray] = {}  # (old class, new class) -> per process: False where kept
-    groups: list[tuple[int, ...]] = []
-    members: list[int] = []
-    in_src = np.zeros(len(processes), dtype=np.int64)
-    in_dst = np.zeros(len(processes), dtype=np.int64)
-    for i in order:
-        key = (old_c[i], new_c[i], size[i])
+
+    def doubled(key: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
         if key not in doubles:
             pair = key[:2]
             if pair not in moves:
                 moves[pair] = ~kept_in_place(old.class_arrays(pair[0]), new.class_arrays(pair[1]), q_old, q_new)
             doubles[key] = (old_n[key[0]] * key[2] * moves[pair], new_n[key[1]] * key[2] * moves[pair])
-        src, dst = doubles[key]
+        return doubles[key]
+
+    keys = [(old_c[i], new_c[i], size[i]) for i in order]
+    count: dict[tuple[int, int, int], int] = {}
+    for key in keys:
+        count[key] = count.get(key, 0) + 1
+    all_src = sum(doubled(key)[0] * n for key, n in count.items())
+    all_dst = sum(doubled(key)[1] * n for key, n in count.items())
+    if np.minimum(all_src, all_dst).max(initial=0) <= limit:
+        # The sums below only grow, so no prefix exceeds the limit when the whole does: one phase.
+        return (tuple(order),) if order else ()
+    groups: list[tuple[int, ...]] = []
+    members: list[int] = []
+    in_src = np.zeros(len(processes), dtype=np.int64)
+    in_dst = np.zeros(len(processes), dtype=np.int64)
+    for i, key in zip(order, keys):
+        src, dst = doubled(key)
         grown_src, grown_dst = in_src + src, in_dst + dst
         if members and np.minimum(grown_src, grown_dst).max(initial=0) > limit:
             groups.append(tuple(members))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynatrain.planner.pair_bytes import sum_by_id
+
 
 @dataclass(frozen=True)
 class NetworkModel:
@@ -69,8 +71,7 @@ class NetworkModel:
             # Integer byte sums below 2**53 are exact in float64; dividing by one rate keeps the order.
             if not len(ids):
                 return 0.0
-            _, inv = np.unique(ids, return_inverse=True)
-            return float(np.bincount(inv.reshape(-1), weights=weights).max())
+            return float(sum_by_id(ids, weights)[1].max())
 
         worst = max(
             most(src[intra], nbytes[intra]) / self.intra_bytes_per_s,

@@ -23,6 +23,59 @@ def sum_by(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return np.rint(np.bincount(index, weights=values, minlength=n)).astype(np.int64)
 
 
+def _small_ids(ids: np.ndarray) -> int:
+    """One past the largest id when the ids are non-negative and few enough to index an array by (process ids);
+    0 otherwise."""
+    top = int(ids.max(initial=-1)) + 1
+    return top if int(ids.min(initial=0)) >= 0 and top <= 4 * len(ids) + (1 << 16) else 0
+
+
+def index_ids(*arrays: np.ndarray) -> tuple[int, list[np.ndarray]]:
+    """(number of distinct ids over all ``arrays``, each array as indices among them, ascending by id): what
+    np.unique's inverse gives, in linear time for process ids (millions of pairs at 16,384 ranks)."""
+    ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    top = _small_ids(ids)
+    if top:
+        present = np.zeros(top, dtype=bool)
+        present[ids] = True
+        index = np.cumsum(present) - 1
+        return int(present.sum()), [index[a] for a in arrays]
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    cuts = np.cumsum([len(a) for a in arrays])[:-1]
+    return len(uniq), np.split(inverse, cuts)
+
+
+def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids ascending, the sum of ``values`` per id), exactly."""
+    top = _small_ids(ids)
+    if top:
+        present = np.zeros(top, dtype=bool)
+        present[ids] = True
+        held = np.flatnonzero(present)
+        return held, sum_by(ids, values, top)[held]
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    return uniq, sum_by(inverse.reshape(-1), values, len(uniq))
+
+
+def pair_index(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(distinct pairs' senders, receivers, ascending by (src, dst); each row's pair among them): np.unique of
+    ``src * top + dst`` with its inverse, sorted by two stable passes of a 16-bit radix sort where every id fits,
+    several times faster than a comparison sort of millions of rows."""
+    top = int(max(src.max(initial=-1), dst.max(initial=-1))) + 1
+    if int(min(src.min(initial=0), dst.min(initial=0))) >= 0 and top <= 1 << 16:
+        order = np.argsort(dst.astype(np.uint16), kind="stable")
+        order = order[np.argsort(src[order].astype(np.uint16), kind="stable")]
+    else:
+        order = np.argsort(src * top + dst, kind="stable")
+    s, d = src[order], dst[order]
+    first = np.ones(len(s), dtype=bool)
+    first[1:] = (s[1:] != s[:-1]) | (d[1:] != d[:-1])
+    inverse = np.empty(len(s), dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return s[first], d[first], inverse
+
+
 class PairBytes(Mapping):
     """(src, dst) -> ((itemsize, bytes), ...), itemsize descending, zero entries left out; pairs ascending.
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from dynatrain.planner.pair_bytes import PairBytes, sum_by
+from dynatrain.planner.pair_bytes import PairBytes, index_ids, sum_by
 
 Slice = tuple[int, int, int, int]  # (src, dst, stream offset, bytes)
 MAX_ROUNDS = 100_000  # beyond this a budget is a typo (bytes for MiB), not a plan anyone wants to run
@@ -146,16 +146,18 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
         )
     _check(pb)
     total = pb.total
-    ranks, inverse = np.unique(np.concatenate([pb.src, pb.dst]), return_inverse=True)
-    inverse = inverse.reshape(-1)
-    si, di = inverse[:len(pb)], inverse[len(pb):]
-    load = sum_by(si, total, len(ranks)) + sum_by(di, total, len(ranks))
+    n_ranks, (si, di) = index_ids(pb.src, pb.dst)
+    load = sum_by(si, total, n_ranks) + sum_by(di, total, n_ranks)
     busiest = int(load.max(initial=0))
     if -(-busiest // budget) > MAX_ROUNDS:
         raise ValueError(
             f"a staging budget of {budget} bytes needs at least {-(-busiest // budget)} rounds for a rank that "
             f"moves {busiest} bytes; give a budget of at least {-(-busiest // MAX_ROUNDS)} bytes"
         )
+    if busiest <= budget:
+        # One round carries everything: what the passes below would give every pair (all it has) without them.
+        active = np.flatnonzero(total > 0)
+        return [(active, np.zeros(len(active), dtype=np.int64), total[active])] if len(active) else []
     ends = np.cumsum(pb.nbytes, axis=1)
     offset = np.zeros(len(pb), dtype=np.int64)
     active = np.flatnonzero(total > 0)
@@ -170,7 +172,7 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
         share = _shares(total[act] - start, budget, int(load.max()))
         offset[act] = np.maximum(_snap(ends[act], pb.sizes, start + share), start)
         taken = offset[act] - start
-        room = (budget - sum_by(s_act, taken, len(ranks)) - sum_by(d_act, taken, len(ranks))).tolist()
+        room = (budget - sum_by(s_act, taken, n_ranks) - sum_by(d_act, taken, n_ranks)).tolist()
         left = np.flatnonzero(offset[act] < total[act])
         if taken.any():
             # Only where rounding down to whole elements took a noticeable part of the share (it is under 64 of
@@ -188,7 +190,7 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
                   room, cap)
             offset[idx] = np.fromiter((off_l[i] for i in idx.tolist()), dtype=np.int64, count=len(idx))
         taken = offset[act] - start
-        load -= sum_by(s_act, taken, len(ranks)) + sum_by(d_act, taken, len(ranks))
+        load -= sum_by(s_act, taken, n_ranks) + sum_by(d_act, taken, n_ranks)
         moved = np.flatnonzero(taken > 0)
         order = np.argsort(act[moved], kind="stable")
         rows = act[moved][order]
@@ -237,9 +239,8 @@ def schedule_groups(table, groups: tuple[tuple[int, ...], ...], budget_bytes: in
             f"largest indivisible piece (one element of {need} bytes): give a budget of at least {2 * need - 1} bytes"
         )
     total = everything.total
-    ranks, inverse = np.unique(np.concatenate([everything.src, everything.dst]), return_inverse=True)
-    inverse = inverse.reshape(-1)
-    load = sum_by(inverse[:len(total)], total, len(ranks)) + sum_by(inverse[len(total):], total, len(ranks))
+    n_ranks, (si, di) = index_ids(everything.src, everything.dst)
+    load = sum_by(si, total, n_ranks) + sum_by(di, total, n_ranks)
     busiest = int(load.max(initial=0))
     if -(-busiest // staging) + len(groups) > MAX_ROUNDS:
         raise ValueError(

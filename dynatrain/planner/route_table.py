@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynatrain.planner.pair_bytes import PairBytes, sum_by
+from dynatrain.planner.pair_bytes import PairBytes, pair_index, sum_by
 from dynatrain.planner.routing import ClassOverlap, RouteClass, Routing, Transfer, overlaps
 from dynatrain.vps.box import Box
 from dynatrain.vps.layout import ClassBoxes, Layout
@@ -296,14 +296,12 @@ def route_table(
         rows_n.append(blk.n[sel])
         rows_res.append(blk.residue[sel])
         rows_vol.append(ov.volume[blk.overlap[region]])
-    cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if ovs else (lambda xs: np.zeros(0, np.int64))
-    src, dst = cat(rows_src), cat(rows_dst)
-    top = int(max(src.max(initial=0), dst.max(initial=0))) + 1
-    keys, inverse = np.unique(src * top + dst, return_inverse=True)
+    cat = ((lambda xs: np.concatenate(xs).astype(np.int64, copy=False)) if ovs
+           else (lambda xs: np.zeros(0, np.int64)))
+    pair_src, pair_dst, inverse = pair_index(cat(rows_src), cat(rows_dst))
     span = np.concatenate([[0], np.cumsum([len(x) for x in rows_src])]).astype(np.int64)
-    return RouteTable(old, new, classes, tuple(ovs), tuple(blocks), keys // top, keys % top,
-                      inverse.reshape(-1).astype(np.int64), cat(rows_class), cat(rows_n), cat(rows_res),
-                      cat(rows_vol), span)
+    return RouteTable(old, new, classes, tuple(ovs), tuple(blocks), pair_src, pair_dst, inverse, cat(rows_class),
+                      cat(rows_n), cat(rows_res), cat(rows_vol), span)
 
 
 def route(old: Layout, new: Layout, processes: Iterable[int] | None = None) -> Routing:

@@ -115,11 +115,14 @@ def _distinct(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
         nd = lo.shape[1]
         return lo.reshape(0, nd), hi.reshape(0, nd), np.zeros(1, np.int64), np.zeros(0, np.int64)
     keys = np.concatenate([lo, hi], axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    order = np.argsort(inverse, kind="stable")
-    counts = np.bincount(inverse, minlength=len(uniq))
-    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    # Sorted on the columns in order, stably, as np.unique(axis=0) would give them, on integer keys instead of
+    # its row records (several times faster at 16,384 ranks).
+    order = np.lexsort(keys.T[::-1])
+    ranked = keys[order]
+    first = np.ones(len(ranked), dtype=bool)
+    first[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
+    uniq = ranked[first]
+    ptr = np.append(np.flatnonzero(first), len(ranked)).astype(np.int64)
     nd = lo.shape[1]
     return uniq[:, :nd], uniq[:, nd:], ptr, order.astype(np.int64)
 

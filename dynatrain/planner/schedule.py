@@ -28,7 +28,7 @@ import numpy as np
 
 from dynatrain.planner.assignment import Assignment, assign, candidates, identity_map, kept_bytes
 from dynatrain.planner.groups import state_groups
-from dynatrain.planner.pair_bytes import sum_by
+from dynatrain.planner.pair_bytes import sum_by_id
 from dynatrain.planner.rank_plan import Message, RankPlan, Round, expand_rank
 from dynatrain.planner.route_table import RouteTable, route_table
 from dynatrain.planner.rounds import (  # noqa: F401  (min_budget, schedule_pairs: part of this module's API)
@@ -108,8 +108,8 @@ class SwitchPlan:
         for side in ("src", "dst"):
             procs = np.concatenate([getattr(rnd, side) for rnd in self.traffic] or [np.zeros(0, np.int64)])
             n = np.concatenate([rnd.nbytes for rnd in self.traffic] or [np.zeros(0, np.int64)])
-            uniq, inv = np.unique(procs, return_inverse=True)
-            out.append(dict(zip(uniq.tolist(), sum_by(inv.reshape(-1), n, len(uniq)).tolist())))
+            uniq, sums = sum_by_id(procs, n)
+            out.append(dict(zip(uniq.tolist(), sums.tolist())))
         return out[0], out[1]
 
     @property
@@ -117,8 +117,7 @@ class SwitchPlan:
         peak = 0
         for rnd in self.traffic:
             if len(rnd):
-                uniq, inv = np.unique(np.concatenate([rnd.src, rnd.dst]), return_inverse=True)
-                use = sum_by(inv.reshape(-1), np.concatenate([rnd.nbytes, rnd.nbytes]), len(uniq))
+                _, use = sum_by_id(np.concatenate([rnd.src, rnd.dst]), np.concatenate([rnd.nbytes, rnd.nbytes]))
                 peak = max(peak, int(use.max()))
         return peak
 
