@@ -196,7 +196,7 @@ def optimal_map(
         if caps[n] > 0:
             value[n, rows_of.useful_groups(n)] = rows_of.group_values(n)
     slot_node = [n for n, cap in enumerate(caps) for _ in range(cap)]
-    s_idx, g_idx = _lap(value if len(slot_node) == len(blocks) and max(caps) == 1 else value[slot_node])
+    s_idx, g_idx = _lap(value if slot_node == list(range(len(blocks))) else value[slot_node])
     node_of_group = [0] * n_groups
     for s, g in zip(s_idx.tolist(), g_idx.tolist()):
         node_of_group[g] = slot_node[s]
@@ -285,24 +285,27 @@ class _NodeRows:
             out[i] = _lap_value(vals[:, i])
         return out
 
-    def kept(self, n: int, groups: tuple[int, ...]) -> int:
-        """The most node ``n``'s processes keep when they take the positions of ``groups``. The groups where
-        they save nothing add only zero columns, which change no maximum, and are left out."""
+    def _at(self, n: int) -> dict[int, int]:
+        """Node ``n``'s useful group -> its index in ``vals[n]``."""
         index = self._index[n]
         if index is None:
             index = self._index[n] = {g: i for i, g in enumerate(self.groups[n].tolist())}
+        return index
+
+    def kept(self, n: int, groups: tuple[int, ...]) -> int:
+        """The most node ``n``'s processes keep when they take the positions of ``groups``. The groups where
+        they save nothing add only zero columns, which change no maximum, and are left out."""
+        index = self._at(n)
         at = [index[g] for g in groups if g in index]
         return _lap_value(self.vals[n][:, at].reshape(len(self.blocks[n]), -1)) if at else 0
 
     def block(self, n: int, groups: list[int]) -> np.ndarray:
         """``W[node n's rows]`` on every position of ``groups``, in order, dense."""
-        rows = len(self.blocks[n])
+        rows, index = len(self.blocks[n]), self._at(n)
         out = np.zeros((rows, len(groups), self.tp), dtype=self.vals[n].dtype)
-        have = self.groups[n]
-        g = np.asarray(groups, dtype=np.int64)
-        at = np.minimum(np.searchsorted(have, g), max(len(have) - 1, 0))
-        hit = have[at] == g if len(have) else np.zeros(len(g), dtype=bool)
-        out[:, hit] = self.vals[n][:, at[hit]]
+        for j, g in enumerate(groups):
+            if g in index:
+                out[:, j] = self.vals[n][:, index[g]]
         return out.reshape(rows, -1)
 
 

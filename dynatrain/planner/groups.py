@@ -20,6 +20,8 @@ states shrink and grow in that order, the live bytes between phases never exceed
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from dynatrain.planner.pair_bytes import sum_by
@@ -99,9 +101,7 @@ def state_groups(old: Layout, new: Layout, limit: int) -> tuple[tuple[int, ...],
         return doubles[key]
 
     keys = [(old_c[i], new_c[i], size[i]) for i in order]
-    count: dict[tuple[int, int, int], int] = {}
-    for key in keys:
-        count[key] = count.get(key, 0) + 1
+    count = Counter(keys)
     all_src = sum(doubled(key)[0] * n for key, n in count.items())
     all_dst = sum(doubled(key)[1] * n for key, n in count.items())
     if np.minimum(all_src, all_dst).max(initial=0) <= limit:

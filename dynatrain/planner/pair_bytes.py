@@ -30,32 +30,26 @@ def _small_ids(ids: np.ndarray) -> int:
     return top if int(ids.min(initial=0)) >= 0 and top <= 4 * len(ids) + (1 << 16) else 0
 
 
-def index_ids(*arrays: np.ndarray) -> tuple[int, list[np.ndarray]]:
-    """(number of distinct ids over all ``arrays``, each array as indices among them, ascending by id): what
-    np.unique's inverse gives, in linear time for process ids (millions of pairs at 16,384 ranks)."""
+def index_ids(*arrays: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(distinct ids over all ``arrays``, ascending; each array as indices among them): np.unique and its inverse,
+    in linear time for process ids (millions of pairs at 16,384 ranks)."""
     ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
     top = _small_ids(ids)
     if top:
         present = np.zeros(top, dtype=bool)
         present[ids] = True
         index = np.cumsum(present) - 1
-        return int(present.sum()), [index[a] for a in arrays]
+        return np.flatnonzero(present), [index[a] for a in arrays]
     uniq, inverse = np.unique(ids, return_inverse=True)
     inverse = inverse.reshape(-1)
     cuts = np.cumsum([len(a) for a in arrays])[:-1]
-    return len(uniq), np.split(inverse, cuts)
+    return uniq, np.split(inverse, cuts)
 
 
 def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct ids ascending, the sum of ``values`` per id), exactly."""
-    top = _small_ids(ids)
-    if top:
-        present = np.zeros(top, dtype=bool)
-        present[ids] = True
-        held = np.flatnonzero(present)
-        return held, sum_by(ids, values, top)[held]
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    return uniq, sum_by(inverse.reshape(-1), values, len(uniq))
+    held, (index,) = index_ids(ids)
+    return held, sum_by(index, values, len(held))
 
 
 def pair_index(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

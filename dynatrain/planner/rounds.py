@@ -146,7 +146,8 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
         )
     _check(pb)
     total = pb.total
-    n_ranks, (si, di) = index_ids(pb.src, pb.dst)
+    ranks, (si, di) = index_ids(pb.src, pb.dst)
+    n_ranks = len(ranks)
     load = sum_by(si, total, n_ranks) + sum_by(di, total, n_ranks)
     busiest = int(load.max(initial=0))
     if -(-busiest // budget) > MAX_ROUNDS:
@@ -239,7 +240,8 @@ def schedule_groups(table, groups: tuple[tuple[int, ...], ...], budget_bytes: in
             f"largest indivisible piece (one element of {need} bytes): give a budget of at least {2 * need - 1} bytes"
         )
     total = everything.total
-    n_ranks, (si, di) = index_ids(everything.src, everything.dst)
+    ranks, (si, di) = index_ids(everything.src, everything.dst)
+    n_ranks = len(ranks)
     load = sum_by(si, total, n_ranks) + sum_by(di, total, n_ranks)
     busiest = int(load.max(initial=0))
     if -(-busiest // staging) + len(groups) > MAX_ROUNDS:

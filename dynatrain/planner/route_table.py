@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynatrain.planner.pair_bytes import PairBytes, pair_index, sum_by
+from dynatrain.planner.pair_bytes import PairBytes, pair_index, sum_by, sum_by_id
 from dynatrain.planner.routing import ClassOverlap, RouteClass, Routing, Transfer, overlaps
 from dynatrain.vps.box import Box
 from dynatrain.vps.layout import ClassBoxes, Layout
@@ -221,9 +221,8 @@ class RouteTable:
                 vals.append(ov.volume[blk.overlap[blk.local]] * rc.bytes_per_element)
             p = np.concatenate(procs) if procs else np.zeros(0, np.int64)
             v = np.concatenate(vals) if vals else np.zeros(0, np.int64)
-            uniq, inv = np.unique(p, return_inverse=True)
-            total = sum_by(inv.reshape(-1), v, len(uniq))
-            self._cache["local"] = dict(zip(uniq.tolist(), total.tolist()))
+            held, total = sum_by_id(p, v)
+            self._cache["local"] = dict(zip(held.tolist(), total.tolist()))
         return self._cache["local"]
 
     @property
