@@ -49,6 +49,21 @@ class ElasticFakeStrategy(FakeStrategy):
         return target
 
 
+class WaitingFakeStrategy(FakeStrategy):
+    """An elastic strategy whose request_switch also takes ``wait``, as DynaTrainStrategy's does."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.waits: list[bool] = []
+
+    def request_switch(self, target, leave=(), wait=False):
+        target = ParallelConfig.parse(target)
+        self.waits.append(wait)
+        self._apply(target, leave)
+        self.world_size, self.positions = target.world_size, list(range(target.world_size))
+        return target
+
+
 def fake_report(step: int, old: str, new: str) -> SwitchReport:
     return SwitchReport(step=step, old_layout=old, new_layout=new, world_size=ParallelConfig.parse(new).world_size,
                         bytes_total=4096, bytes_moved=1024, bytes_moved_identity=2048, rounds=1, rank_map=[0, 1],

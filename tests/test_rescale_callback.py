@@ -18,7 +18,9 @@ from dynatrain.callbacks.switch_log import JSONL_NAME, SwitchLog, read_switches
 from dynatrain.signals.agreement import MergedRequest
 from dynatrain.signals.request import ScaleRequest
 from dynatrain.vps.parallel_config import ParallelConfig
-from tests._rescale_fakes import DEBUG, ElasticFakeStrategy, FakeStrategy, RecordingLogger, fake_trainer
+from tests._rescale_fakes import (
+    DEBUG, ElasticFakeStrategy, FakeStrategy, RecordingLogger, WaitingFakeStrategy, fake_trainer,
+)
 
 
 def _step(cb: ElasticCallback, trainer, step: int) -> None:
@@ -112,6 +114,28 @@ def test_trace_switches_at_its_step_and_the_report_carries_the_decision(tmp_path
         assert key in metrics, key
     assert metrics["switch/verified"] == 1.0 and metrics["switch/stall_s"] == pytest.approx(0.1)
     cb.on_fit_end(trainer, None)
+
+
+def test_a_waiting_trace_entry_asks_the_strategy_to_hold_training_for_its_joiners(tmp_path):
+    trace = [{"step": 1, "devices": 4, "wait": True}, {"step": 2, "devices": 2}]
+    strategy = WaitingFakeStrategy("dp_shard=2")
+    trainer = fake_trainer(strategy, tmp_path)
+    cb = _started(ElasticCallback(trace=trace, max_devices=4, log_dir=str(tmp_path)), trainer)
+    for step in (1, 2):
+        _step(cb, trainer, step)
+    assert [ParallelConfig.parse(t).world_size for t, _ in strategy.requests] == [4, 2]
+    assert strategy.waits == [True, False]
+    assert [d.request for d in cb.decisions] == ["devices=4 wait", "devices=2"]
+    records = read_switches(tmp_path / JSONL_NAME)
+    assert records[0]["decision"]["request"] == "devices=4 wait"
+    cb.close()
+    # A strategy whose request_switch has no `wait` still switches; the entry is taken without holding training.
+    older = ElasticFakeStrategy("dp_shard=2")
+    trainer = fake_trainer(older, tmp_path / "older")
+    cb = _started(ElasticCallback(trace=trace[:1], max_devices=4, log_dir=str(tmp_path / "older")), trainer)
+    _step(cb, trainer, 1)
+    assert [ParallelConfig.parse(t).world_size for t, _ in older.requests] == [4]
+    cb.close()
 
 
 def test_checks_only_at_boundaries_every_n_steps(tmp_path):

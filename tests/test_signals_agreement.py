@@ -10,8 +10,8 @@ from dynatrain.signals.agreement import SLOT_BYTES, Proposal, Slot, decode_slot,
 from dynatrain.signals.request import ScaleRequest
 
 
-def _proposal(rank, wall, devices=None, layout=None, leave=(), source="control", deadline_in=None):
-    return Proposal(rank, devices, layout, tuple(leave), source, f"from rank {rank}", wall, deadline_in)
+def _proposal(rank, wall, devices=None, layout=None, leave=(), source="control", deadline_in=None, wait=False):
+    return Proposal(rank, devices, layout, tuple(leave), source, f"from rank {rank}", wall, deadline_in, wait)
 
 
 # ------------------------------------------------------------------------------------------------ agreement
@@ -20,6 +20,8 @@ def test_slot_round_trip_and_size_limit():
     tensor = encode_slot(Slot(p, listening=True))
     assert tensor.numel() == SLOT_BYTES and str(tensor.dtype) == "torch.uint8"
     assert decode_slot(tensor) == Slot(p, True)
+    waiting = _proposal(0, 1.0, devices=4, wait=True)
+    assert decode_slot(encode_slot(Slot(waiting))).proposal.wait is True
     assert decode_slot(encode_slot(Slot())) == Slot(None, False)
     with pytest.raises(ValueError, match="does not fit the 64-byte agreement slot"):
         encode_slot(Slot(p), size=64)
@@ -52,3 +54,14 @@ def test_merge_ties_go_to_the_lowest_rank_and_a_bare_preemption_has_no_target():
     bare = merge_proposals([None, _proposal(1, 3.0, leave=(1,), source="preemption")])
     assert (bare.devices, bare.layout, bare.leave, bare.source) == (None, None, (1,), "preemption")
     assert merge_proposals([None, None]) is None
+
+
+def test_the_winning_target_brings_its_wait():
+    request = ScaleRequest(devices=4, source="trace", wait=True)
+    assert Proposal.from_request(0, request).wait is True
+    waiting, later = _proposal(0, 5.0, devices=4, wait=True), _proposal(1, 6.0, devices=3)
+    assert merge_proposals([waiting, later]).wait is False  # the later target wins, without waiting
+    merged = merge_proposals([waiting, _proposal(1, 6.0, leave=(1,), source="preemption")])
+    assert (merged.devices, merged.leave, merged.wait) == (4, (1,), True)
+    assert merged.describe() == "devices=4 leave=1 wait"
+    assert merge_proposals([_proposal(1, 3.0, leave=(1,), source="preemption")]).wait is False

@@ -37,6 +37,13 @@ def test_preempted_ranks_stay_gone_across_coalesced_requests():
     hub.submit(ScaleRequest(leave=(1,), source="preemption"))
     request = hub.poll()
     assert (request.devices, request.leave, request.source) == (3, (1,), "preemption")
+    # ... and whether it waits for joiners.
+    hub.submit(ScaleRequest(devices=4, source="control", wait=True))
+    hub.submit(ScaleRequest(leave=(1,), source="preemption"))
+    assert hub.poll().wait is True
+    hub.submit(ScaleRequest(devices=4, source="control", wait=True))
+    hub.submit(ScaleRequest(devices=2, source="file"))
+    assert hub.poll().wait is False
 
 
 def test_concurrent_submissions_coalesce_to_one():
@@ -74,6 +81,8 @@ def test_limits_reject_with_a_reason_and_training_goes_on(caplog):
         ScaleRequest(devices=2, layout="tp=2")
     with pytest.raises(ValueError, match="target"):
         ScaleRequest()
+    with pytest.raises(ValueError, match="wait needs a target"):
+        ScaleRequest(leave=(1,), source="preemption", wait=True)
     with pytest.raises(ValueError, match="max_devices"):
         SignalHub(max_devices=0)
 

@@ -131,6 +131,8 @@ def test_control_refuses_without_the_token(control, token):
     (b'{"devices": "3"}', "integer"),
     (b'{"devices": 0}', "at least 1"),
     (b'{"layout": "tp=two"}', "cannot parse"),
+    (b'{"wait": true}', "exactly one"),
+    (b'{"devices": 3, "wait": 1}', "wait must be true or false"),
     (b"[" * 20000 + b"]" * 20000, "not valid JSON"),  # nesting deep enough to exhaust the parser's recursion
 ])
 def test_control_rejects_malformed_bodies(control, body, expected, caplog):
@@ -217,7 +219,11 @@ def test_scale_cli_against_a_live_server(control, capsys, monkeypatch):
 
     monkeypatch.setenv("DYNATRAIN_TOKEN", TOKEN)
     assert dynatrain_main(["scale", "--endpoint", server.endpoint, "--layout", "dp_shard=2,tp=2"]) == 0
-    assert hub.poll().layout == "dp_shard=2,tp=2"
+    request = hub.poll()
+    assert (request.layout, request.wait) == ("dp_shard=2,tp=2", False)
+    assert dynatrain_main(["scale", "--endpoint", server.endpoint, "--devices", "3", "--wait"]) == 0
+    request = hub.poll()
+    assert (request.devices, request.wait) == (3, True) and request.describe() == "devices=3 wait"
     capsys.readouterr()
 
     assert dynatrain_main(["scale", "--endpoint", server.endpoint, "--token", "nope", "--devices", "3"]) == 1
@@ -301,6 +307,15 @@ def test_trace_fires_each_entry_once_in_step_order():
     assert "entry 2" in late[1].reason
     assert trace.fired == 3 and len(trace) == 4
     assert [r.devices for r in trace.due(100)] == [4] and trace.due(200) == []
+    assert not any(r.wait for r in first + late)
+
+
+def test_a_trace_entry_may_hold_training_for_its_joiners():
+    trace = TraceSource([{"step": 2, "devices": 3, "wait": True}, {"step": 4, "layout": "dp_shard=2", "wait": False},
+                         (6, 4)])
+    assert [(r.devices, r.wait) for r in trace.due(2)] == [(3, True)]
+    assert [(r.layout, r.wait) for r in trace.due(4)] == [("dp_shard=2", False)]
+    assert [(r.devices, r.wait) for r in trace.due(6)] == [(4, False)]
 
 
 @pytest.mark.parametrize("entries, max_devices, expected", [
@@ -315,6 +330,9 @@ def test_trace_fires_each_entry_once_in_step_order():
     ([{"step": 1, "gpus": 2}], None, "'gpus'"),
     ([{"devices": 2}], None, "{step: N, devices: D}"),
     ([(0, 2, 3)], None, "(step, devices)"),
+    ([(0, 2, True)], None, "as a dict to add wait: true"),
+    ([{"step": 1, "devices": 2, "wait": "yes"}], None, "entry 0 ({'step': 1, 'devices': 2, 'wait': 'yes'}): wait must"),
+    ([{"step": 1, "wait": True}], None, "optionally with wait: true"),
     ([(0, 2), (4, 16)], 8, "entry 1 ((4, 16)): devices=16, above max_devices=8"),
     ([(0, "dp_shard=4,tp=4")], 8, "needs 16 devices"),
     ("0:2", None, "list"),

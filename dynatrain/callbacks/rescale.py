@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from dynatrain.callbacks.rescale_options import (
     TOKEN_ENV, read_or_create_token, signal_number, source_options, watch_options,
 )
-from dynatrain.callbacks.rescale_plan import Decision, accepts_leave, plan_target, workload_for
+from dynatrain.callbacks.rescale_plan import Decision, accepts_keyword, accepts_leave, plan_target, workload_for
 from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
 from dynatrain.policy import GiB, Devices, LayoutPolicy, choose_layout
 from dynatrain.planner.network import NetworkModel
@@ -53,8 +53,10 @@ class ElasticCallback(pl.Callback):
         trace: scripted ``[(step, devices or layout), ...]`` or ``[{step: N, devices: D}, ...]``; an entry
             fires at the first checked boundary at or after its step (after that many optimizer steps). A run
             resumed at step k fires the entries up to k at its first boundary, coalesced: the latest wins.
-        watch_file: a JSON file (``{"devices": 3}`` or ``{"layout": "..."}``) watched on rank 0; a path, or
-            ``{path, poll_seconds}``.
+            ``{step: N, devices: D, wait: true}``: a scale-out holds training at step N until its joiners are
+            ready (without it, training goes on and the scale-out comes at the first boundary they are ready).
+        watch_file: a JSON file (``{"devices": 3}`` or ``{"layout": "..."}``, optionally with ``"wait": true``)
+            watched on rank 0; a path, or ``{path, poll_seconds}``.
         control: ``True`` or ``{host, port, token | token_file, allow_remote}``: an HTTP endpoint on rank 0 for
             ``dynatrain scale``. The token comes from ``token``, else ``token_file`` (created with a fresh token
             when missing), else ``$DYNATRAIN_TOKEN``, else a fresh one in ``<run dir>/control.token``. The
@@ -329,10 +331,11 @@ class ElasticCallback(pl.Callback):
             if plan.target is None:
                 return Decision(action="keep", reason=plan.reason, **base)
             report_index = len(strategy.switch_reports)
-            if can_change_world:
-                target = strategy.request_switch(plan.target, leave=merged.leave)
-            else:
-                target = strategy.request_switch(plan.target)
+            options = {"leave": merged.leave} if can_change_world else {}
+            # Only a world change has joiners to wait for; a strategy that cannot change worlds is never asked.
+            if merged.wait and can_change_world and accepts_keyword(strategy.request_switch, "wait"):
+                options["wait"] = True
+            target = strategy.request_switch(plan.target, **options)
         except ValueError as err:
             return Decision(action="reject", reason=str(err), **base)
         # The fixed-world strategy returns the validated layout; take the plan's when a strategy returns nothing.

@@ -108,8 +108,13 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
 
 
 def accepts_leave(request_switch: Callable) -> bool:
+    return accepts_keyword(request_switch, "leave")
+
+
+def accepts_keyword(function: Callable, name: str) -> bool:
+    """Whether ``function`` takes the keyword ``name`` (strategies written before an option was added do not)."""
     try:
-        params = inspect.signature(request_switch).parameters
+        params = inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
-    return "leave" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

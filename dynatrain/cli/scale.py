@@ -1,6 +1,6 @@
 """``dynatrain scale``: ask a running job to change its device count or layout.
 
-    dynatrain scale --endpoint HOST:PORT (--devices N | --layout SPEC) [--token TOKEN] [--timeout S]
+    dynatrain scale --endpoint HOST:PORT (--devices N | --layout SPEC) [--wait] [--token TOKEN] [--timeout S]
 
 The job's control server (``dynatrain.signals.control.ControlServer``) answers ``{"accepted": ..., "reason": ...}``,
 which is printed. Exit status: 0 accepted, 1 refused by the job, 2 bad arguments or no answer.
@@ -27,6 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--devices", type=int, metavar="N", help="run on N devices")
     target.add_argument("--layout", metavar="SPEC", help="run on this layout, e.g. dp_shard=2,tp=2")
+    parser.add_argument("--wait", action="store_true",
+                        help="for a larger target: hold training at the next step boundary until the joiners are "
+                             "ready, instead of training on while they start")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
     parser.set_defaults(run=run)
     return parser
@@ -81,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dynatrain scale: error: no token: pass --token or set {TOKEN_ENV}", file=sys.stderr)
         return 2
     payload = {"devices": args.devices} if args.devices is not None else {"layout": args.layout}
+    if args.wait:
+        payload["wait"] = True
     try:
         status, answer = post(args.endpoint, token, payload, args.timeout)
     except (ValueError, ConnectionError) as err:

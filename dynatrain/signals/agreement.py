@@ -4,7 +4,8 @@ Each rank hears its own signals, so ranks hold different requests at a step boun
 gathered slots with :func:`merge_proposals` and reach the same decision without a second round:
 
 * the ranks that announced they leave are united;
-* the latest target (``devices`` or ``layout``) wins, by wall-clock time of receipt, then lower rank.
+* the latest target (``devices`` or ``layout``, with its ``wait``) wins, by wall-clock time of receipt, then
+  lower rank.
 
 Unlike the sources, this module imports torch: the slots travel as a uint8 tensor.
 """
@@ -41,6 +42,7 @@ class Proposal:
     reason: str = ""
     wall_time: float = 0.0
     deadline_in: float | None = None
+    wait: bool = False
 
     @classmethod
     def from_request(cls, rank: int, request: ScaleRequest, now_wall: float | None = None,
@@ -49,7 +51,8 @@ class Proposal:
         now_mono = time.monotonic() if now_mono is None else now_mono
         deadline_in = None if request.deadline is None else request.deadline - now_mono
         return cls(rank, request.devices, request.layout, request.leave, request.source,
-                   request.reason[:MAX_REASON], now_wall - (now_mono - request.received_at), deadline_in)
+                   request.reason[:MAX_REASON], now_wall - (now_mono - request.received_at), deadline_in,
+                   request.wait)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Proposal":
@@ -97,9 +100,10 @@ class MergedRequest:
     wall_time: float             # when the winning request was received (earliest preemption when no target)
     sources: tuple[str, ...]     # every source that contributed, in rank order
     deadline_in: float | None = None
+    wait: bool = False           # the winning target's: hold training until a scale-out's joiners are ready
 
     def describe(self) -> str:
-        return describe_request(self.devices, self.layout, self.leave)
+        return describe_request(self.devices, self.layout, self.leave, self.wait)
 
 
 def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | None:
@@ -117,7 +121,7 @@ def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | Non
     return MergedRequest(
         devices=win.devices if targeted else None, layout=win.layout if targeted else None, leave=leave,
         source=win.source, reason=win.reason, origin_rank=win.rank, wall_time=win.wall_time, sources=sources,
-        deadline_in=min(deadlines) if deadlines else None,
+        deadline_in=min(deadlines) if deadlines else None, wait=win.wait if targeted else False,
     )
 
 

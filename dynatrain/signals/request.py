@@ -15,12 +15,12 @@ from typing import Any, Iterable
 from dynatrain.vps.parallel_config import ParallelConfig
 
 SOURCES = ("preemption", "control", "file", "trace")
-PAYLOAD_EXAMPLE = '{"devices": 3} or {"layout": "dp_shard=2,tp=2"}'
+PAYLOAD_EXAMPLE = '{"devices": 3} or {"layout": "dp_shard=2,tp=2"}, optionally with "wait": true'
 MAX_BODY = 64 * 1024
 
 
-def describe_request(devices: int | None, layout: str | None, leave: tuple[int, ...]) -> str:
-    """``devices=3 layout=... leave=1,2``: the parts a request sets."""
+def describe_request(devices: int | None, layout: str | None, leave: tuple[int, ...], wait: bool = False) -> str:
+    """``devices=3 layout=... leave=1,2 wait``: the parts a request sets."""
     parts = []
     if devices is not None:
         parts.append(f"devices={devices}")
@@ -28,6 +28,8 @@ def describe_request(devices: int | None, layout: str | None, leave: tuple[int, 
         parts.append(f"layout={layout}")
     if leave:
         parts.append(f"leave={','.join(map(str, leave))}")
+    if wait:
+        parts.append("wait")
     return " ".join(parts)
 
 
@@ -35,9 +37,11 @@ def describe_request(devices: int | None, layout: str | None, leave: tuple[int, 
 class ScaleRequest:
     """Run on ``devices`` devices, or on ``layout``; ``leave`` are global ranks that are going away.
 
-    A preemption names no target (``devices`` and ``layout`` both None): the job shrinks by the ranks in
-    ``leave``. ``deadline`` (``time.monotonic()`` clock) is when the first of them is expected to die.
-    The layout is kept in its short form (``"dp_shard=2,tp=2"``), so equal layouts compare equal.
+    A preemption names no target (``devices`` and ``layout`` both None): the job shrinks by the ranks in ``leave``.
+    ``deadline`` (``time.monotonic()`` clock) is when the first of them is expected to die. ``wait``: a larger
+    target holds training at the next step boundary until its joiners are ready, instead of training on while they
+    start (the strategy's ``request_switch(..., wait=True)``). The layout is kept in its short form
+    (``"dp_shard=2,tp=2"``), so equal layouts compare equal.
     """
 
     devices: int | None = None
@@ -47,6 +51,7 @@ class ScaleRequest:
     reason: str = ""
     received_at: float = field(default_factory=time.monotonic)
     deadline: float | None = None
+    wait: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -61,6 +66,11 @@ class ScaleRequest:
         object.__setattr__(self, "leave", _normalise_leave(self.leave))
         if self.devices is None and self.layout is None and not self.leave:
             raise ValueError(f"a scale request needs a target: {PAYLOAD_EXAMPLE}")
+        if not isinstance(self.wait, bool):
+            raise ValueError(f"wait must be true or false, got {self.wait!r}")
+        if self.wait and self.devices is None and self.layout is None:
+            raise ValueError("wait needs a target (devices or layout): it holds training until the joiners of a "
+                             "larger target are ready")
 
     @property
     def parallel_config(self) -> ParallelConfig | None:
@@ -74,7 +84,7 @@ class ScaleRequest:
         return self.devices
 
     def describe(self) -> str:
-        return describe_request(self.devices, self.layout, self.leave)
+        return describe_request(self.devices, self.layout, self.leave, self.wait)
 
 
 def is_int(value: Any) -> bool:
@@ -106,12 +116,13 @@ def request_from_payload(payload: Any, source: str, reason: str) -> ScaleRequest
     """The request a JSON document (control body or watched file) asks for; ValueError saying what is wrong."""
     if not isinstance(payload, dict):
         raise ValueError(f"expected a JSON object, {PAYLOAD_EXAMPLE}, got {type(payload).__name__}")
-    unknown = sorted(set(payload) - {"devices", "layout"})
+    unknown = sorted(set(payload) - {"devices", "layout", "wait"})
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}: send {PAYLOAD_EXAMPLE}")
-    if len(payload) != 1:
+    if len(set(payload) & {"devices", "layout"}) != 1:
         raise ValueError(f"give exactly one of 'devices' or 'layout': {PAYLOAD_EXAMPLE}")
-    return ScaleRequest(devices=payload.get("devices"), layout=payload.get("layout"), source=source, reason=reason)
+    return ScaleRequest(devices=payload.get("devices"), layout=payload.get("layout"), source=source, reason=reason,
+                        wait=payload.get("wait", False))
 
 
 def check_limits(request: ScaleRequest, max_devices: int | None) -> None:
@@ -125,12 +136,13 @@ def check_limits(request: ScaleRequest, max_devices: int | None) -> None:
 def coalesce(earlier: ScaleRequest | None, later: ScaleRequest) -> ScaleRequest:
     """The latest target wins, but a rank that announced it is leaving stays gone.
 
-    A pure preemption carries no target, so it keeps the target of the request it joins.
+    A pure preemption carries no target, so it keeps the target (and its ``wait``) of the request it joins.
     """
     if earlier is None:
         return later
     deadlines = [d for d in (earlier.deadline, later.deadline) if d is not None]
-    target = {} if later.world_size is not None else {"devices": earlier.devices, "layout": earlier.layout}
+    target = {} if later.world_size is not None else {"devices": earlier.devices, "layout": earlier.layout,
+                                                      "wait": earlier.wait}
     return dataclasses.replace(
         later, **target,
         leave=tuple(sorted(set(earlier.leave) | set(later.leave))),

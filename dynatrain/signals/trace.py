@@ -15,15 +15,16 @@ class TraceSource:
     """A scripted list of ``(step, devices or layout)`` from a recipe: for experiments and replayed traces.
 
     Entries are tuples ``(10, 2)`` / ``(10, "dp_shard=2,tp=2")`` or dicts ``{"step": 10, "devices": 2}`` /
-    ``{"step": 10, "layout": "..."}``. A bad trace raises ``ValueError`` at construction, naming the entry, so the
-    recipe is fixed before any training. :meth:`due` depends only on the step, so every rank agrees without
-    communicating.
+    ``{"step": 10, "layout": "..."}``. A dict may add ``"wait": True``: a larger target then holds training at that
+    boundary until its joiners are ready, so the change comes at that step, not at a later one. A bad trace raises
+    ``ValueError`` at construction, naming the entry, so the recipe is fixed before any training. :meth:`due`
+    depends only on the step, so every rank agrees without communicating.
     """
 
     def __init__(self, entries: Sequence[Any], max_devices: int | None = None) -> None:
         if isinstance(entries, (str, bytes, dict)) or not isinstance(entries, Sequence):
             raise ValueError(f"a trace is a list of (step, devices or layout) entries, got {entries!r}")
-        self.entries: tuple[tuple[int, int | str], ...] = tuple(
+        self.entries: tuple[tuple[int, int | str, bool], ...] = tuple(
             _trace_entry(i, entry, max_devices) for i, entry in enumerate(entries))
         for i in range(1, len(self.entries)):
             if self.entries[i][0] <= self.entries[i - 1][0]:
@@ -36,9 +37,10 @@ class TraceSource:
         """Entries with ``entry step <= step`` not returned before, in order (usually none or one)."""
         out = []
         while self._next < len(self.entries) and self.entries[self._next][0] <= step:
-            at, value = self.entries[self._next]
+            at, value, wait = self.entries[self._next]
             target = {"devices": value} if is_int(value) else {"layout": value}
-            out.append(ScaleRequest(**target, source="trace", reason=f"trace entry {self._next} at step {at}"))
+            out.append(ScaleRequest(**target, source="trace", reason=f"trace entry {self._next} at step {at}",
+                                    wait=wait))
             self._next += 1
         return out
 
@@ -51,33 +53,34 @@ class TraceSource:
         return len(self.entries)
 
 
-def _trace_entry(index: int, entry: Any, max_devices: int | None) -> tuple[int, int | str]:
+def _trace_entry(index: int, entry: Any, max_devices: int | None) -> tuple[int, int | str, bool]:
     try:
-        step, value = _split_entry(entry)
+        step, value, wait = _split_entry(entry)
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        request = _trace_target(value)
+        request = _trace_target(value, wait)
         check_limits(request, max_devices)
     except ValueError as err:
         raise ValueError(f"trace entry {index} ({entry!r}): {err}") from None
-    return step, request.devices if request.devices is not None else request.layout
+    return step, request.devices if request.devices is not None else request.layout, request.wait
 
 
-def _split_entry(entry: Any) -> tuple[Any, Any]:
+def _split_entry(entry: Any) -> tuple[Any, Any, Any]:
     if isinstance(entry, dict):
-        unknown = sorted(set(entry) - {"step", "devices", "layout"})
-        if unknown or "step" not in entry or len(entry) != 2:
-            raise ValueError("write it as {step: N, devices: D} or {step: N, layout: 'dp_shard=2,tp=2'}"
+        unknown = sorted(set(entry) - {"step", "devices", "layout", "wait"})
+        if unknown or "step" not in entry or len(set(entry) & {"devices", "layout"}) != 1:
+            raise ValueError("write it as {step: N, devices: D} or {step: N, layout: 'dp_shard=2,tp=2'}, "
+                             "optionally with wait: true"
                              + (f" (unknown key(s) {', '.join(map(repr, unknown))})" if unknown else ""))
-        return entry["step"], entry.get("devices", entry.get("layout"))
+        return entry["step"], entry.get("devices", entry.get("layout")), entry.get("wait", False)
     if isinstance(entry, (tuple, list)) and len(entry) == 2:
-        return entry[0], entry[1]
-    raise ValueError("write it as (step, devices) or (step, 'dp_shard=2,tp=2')")
+        return entry[0], entry[1], False
+    raise ValueError("write it as (step, devices) or (step, 'dp_shard=2,tp=2'), or as a dict to add wait: true")
 
 
-def _trace_target(value: Any) -> ScaleRequest:
+def _trace_target(value: Any, wait: Any) -> ScaleRequest:
     if isinstance(value, str):
-        return ScaleRequest(layout=value, source="trace")
+        return ScaleRequest(layout=value, source="trace", wait=wait)
     if is_int(value):
-        return ScaleRequest(devices=value, source="trace")
+        return ScaleRequest(devices=value, source="trace", wait=wait)
     raise ValueError(f"the target must be a device count (integer >= 1) or a layout string, got {value!r}")
