@@ -28,6 +28,7 @@ import numpy as np
 
 from dynatrain.planner.assignment import Assignment, assign, candidates, identity_map, kept_bytes
 from dynatrain.planner.groups import state_groups
+from dynatrain.planner.pages import with_small_pages
 from dynatrain.planner.pair_bytes import sum_by_id
 from dynatrain.planner.rank_plan import Message, RankPlan, Round, expand_rank
 from dynatrain.planner.route_table import RouteTable, route_table
@@ -167,6 +168,7 @@ class SwitchPlan:
         return h.hexdigest()
 
 
+@with_small_pages
 def plan_switch(
     old: Layout,
     new_config: ParallelConfig | str | Layout,
