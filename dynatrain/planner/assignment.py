@@ -223,16 +223,39 @@ def _lap_value(block: np.ndarray) -> int:
     """The most a maximum-weight assignment of ``block``'s columns to distinct rows keeps."""
     if not block.size:
         return 0
-    hit = block > 0
-    # A process that saves on one position at most: each column's best row is then a row no other column
-    # wants, and the assignment takes every column's best. Likewise for rows when a position is saved on by
-    # one process at most.
-    if (hit.sum(axis=1) <= 1).all():
-        return int(block.max(axis=0).sum())
-    if (hit.sum(axis=0) <= 1).all():
-        return int(block.max(axis=1).sum())
+    value = int(_bound_values(block[:, None, :])[0])
+    if value >= 0:
+        return value
     r, c = _lap(block)
     return int(block[r, c].sum())
+
+
+def _bound_values(vals: np.ndarray) -> np.ndarray:
+    """Per group ``g`` of ``vals`` (rows, groups, columns; rows >= columns, entries >= 0): the value of the best
+    assignment of ``vals[:, g]``'s columns to distinct rows where an upper bound shows it without solving, else -1.
+
+    Every row keeps at most its maximum, so the sum of the row maxima bounds the value. When the rows that keep
+    anything have distinct best columns, each can take its best at once and the bound is the value. Likewise the sum
+    of the column maxima, when the columns' best rows are distinct. (A row that saves on one position at most, or a
+    position saved on by one process at most, is the common case of this.)"""
+    rows, groups, cols = vals.shape
+    out = np.full(groups, -1, dtype=np.int64)
+    if not vals.size:
+        out[:] = 0
+        return out
+    row_max, row_best = vals.max(axis=2), vals.argmax(axis=2)  # (rows, groups)
+    kept = row_max > 0
+    group_of_row = np.broadcast_to(np.arange(groups), (rows, groups))
+    taken = np.bincount(group_of_row[kept] * cols + row_best[kept], minlength=groups * cols)
+    rows_distinct = (taken.reshape(groups, cols) <= 1).all(axis=1)
+    col_max, col_best = vals.max(axis=0), vals.argmax(axis=0)  # (groups, cols)
+    wanted = col_max > 0
+    group_of_col = np.broadcast_to(np.arange(groups)[:, None], (groups, cols))
+    taken = np.bincount(group_of_col[wanted] * rows + col_best[wanted], minlength=groups * rows)
+    cols_distinct = (taken.reshape(groups, rows) <= 1).all(axis=1)
+    out[cols_distinct] = col_max.sum(axis=1)[cols_distinct]
+    out[rows_distinct] = row_max.sum(axis=0)[rows_distinct]
+    return out
 
 
 class _NodeRows:
@@ -276,13 +299,10 @@ class _NodeRows:
     def group_values(self, n: int) -> np.ndarray:
         """Per useful group of node ``n``: the most its processes keep when they take that group's positions."""
         vals = self.vals[n]
-        hit = vals > 0
-        # `_lap_value`'s two shortcuts for all groups at once; only the other groups need solving.
-        one_per_row = (hit.sum(axis=2) <= 1).all(axis=0)
-        one_per_col = (hit.sum(axis=0) <= 1).all(axis=1)
-        out = np.where(one_per_row, vals.max(axis=0).sum(axis=1), vals.max(axis=2).sum(axis=0)).astype(np.int64)
-        for i in np.flatnonzero(~one_per_row & ~one_per_col).tolist():
-            out[i] = _lap_value(vals[:, i])
+        out = _bound_values(vals)  # every group at once; only the groups no bound settles go to the solver
+        for i in np.flatnonzero(out < 0).tolist():
+            r, c = _lap(vals[:, i])
+            out[i] = int(vals[r, i, c].sum())
         return out
 
     def _at(self, n: int) -> dict[int, int]:
