@@ -341,6 +341,26 @@ def test_identical_boxes_merge_in_the_order_unique_gives():
     assert np.array_equal(np.diff(ptr), np.bincount(inverse.reshape(-1)))
 
 
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_box_pairs_meet_as_a_plain_double_loop_finds(nd):
+    from dynatrain.planner.routing import _intersect_all
+
+    rng = np.random.default_rng(nd)
+    olo = rng.integers(0, 12, (80, nd))
+    ohi = olo + rng.integers(0, 5, (80, nd))  # some old boxes are empty
+    nlo = rng.integers(0, 12, (60, nd))
+    nhi = nlo + rng.integers(0, 6, (60, nd))
+    expected = []
+    for m in range(len(nlo)):
+        for k in range(len(olo)):
+            lo, hi = np.maximum(nlo[m], olo[k]), np.minimum(nhi[m], ohi[k])
+            if (hi > lo).all():
+                expected.append((m, k, *lo, *hi, int(np.prod(hi - lo))))
+    m, k, lo, hi, vol = _intersect_all(nlo, nhi, olo, ohi)
+    got = [(int(a), int(b), *map(int, c), *map(int, d), int(v)) for a, b, c, d, v in zip(m, k, lo, hi, vol)]
+    assert sorted(got) == sorted(expected) and len(got) == len(set(got))
+
+
 @pytest.mark.parametrize("top", [300, 1 << 17])
 def test_pairs_index_as_unique_would(top):
     # Ids that fit 16 bits take the radix sort, larger ones a comparison sort: both give np.unique's answer.

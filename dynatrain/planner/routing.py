@@ -146,10 +146,16 @@ def _intersect_all(nlo, nhi, olo, ohi):
     m = np.repeat(np.arange(len(nlo)), counts)
     base = np.repeat(first - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     k = order[base + np.arange(int(counts.sum()))]
+    # Keep the pairs that meet in every dimension, one column at a time, before forming their regions: with TP,
+    # most candidates share the new box's dim-0 range but hold another TP slice.
+    meet = ohi[k, 0] > nlo[m, 0]
+    for d in range(1, nd):
+        meet &= (olo[k, d] < nhi[m, d]) & (ohi[k, d] > nlo[m, d])
+    m, k = m[meet], k[meet]
     lo = np.maximum(nlo[m], olo[k])
     hi = np.minimum(nhi[m], ohi[k])
-    vol = np.prod(np.clip(hi - lo, 0, None), axis=1)
-    keep = vol > 0
+    vol = np.prod(hi - lo, axis=1)
+    keep = vol > 0  # an empty box meets nothing
     return m[keep], k[keep], lo[keep], hi[keep], vol[keep]
 
 
