@@ -4,8 +4,9 @@ Planning a 405B change at 16,384 ranks allocates on the order of a gigabyte of a
 (region, holder) rows) that each live for milliseconds. NumPy asks the kernel for transparent huge pages on every
 large array (``madvise(MADV_HUGEPAGE)``). Where the kernel's THP ``defrag`` setting is ``madvise`` (a common
 default), a fault in such a region first tries to compact memory into a huge page. For arrays that short-lived that
-is pure cost: `dynatrain plan` turning pp on for Llama-3.1-405B took 7.2 to 7.7 s of CPU with the hint and 4.6 to
-4.8 s without it, all of the difference in system time (`docs/planner.md`).
+is pure cost: `dynatrain plan` turning pp on for Llama-3.1-405B took 4.8 to 6.5 s of CPU with the hint and 3.4 to
+3.6 s without it, almost all of the difference in system time (`bench/results/plan405/small_pages.json`,
+`docs/planner.md`).
 
 :func:`small_pages` switches NumPy's hint off while a plan is computed and restores it after. The hint is
 process-wide; concurrent planners (a background prepare thread and the training thread) share one switch-off.
