@@ -224,8 +224,11 @@ def _lap_value(block: np.ndarray) -> int:
     if not block.size:
         return 0
     value = int(_bound_values(block[:, None, :])[0])
-    if value >= 0:
-        return value
+    return value if value >= 0 else _solved_value(block)
+
+
+def _solved_value(block: np.ndarray) -> int:
+    """What the solver's assignment of ``block`` keeps."""
     r, c = _lap(block)
     return int(block[r, c].sum())
 
@@ -301,8 +304,7 @@ class _NodeRows:
         vals = self.vals[n]
         out = _bound_values(vals)  # every group at once; only the groups no bound settles go to the solver
         for i in np.flatnonzero(out < 0).tolist():
-            r, c = _lap(vals[:, i])
-            out[i] = int(vals[r, i, c].sum())
+            out[i] = _solved_value(vals[:, i])
         return out
 
     def _at(self, n: int) -> dict[int, int]:

@@ -135,6 +135,14 @@ def _walk(order, si, di, ends, sizes, offset, total, room, cap) -> None:
         room[d] -= n
 
 
+def _rank_load(pb: PairBytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each pair's sender and receiver as indices among the ranks that move bytes, each such rank's bytes sent
+    plus received)."""
+    ranks, (si, di) = index_ids(pb.src, pb.dst)
+    total = pb.total
+    return si, di, sum_by(si, total, len(ranks)) + sum_by(di, total, len(ranks))
+
+
 def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Rounds as (pair rows of ``pb`` ascending, stream offsets, bytes) such that no rank's sent + received bytes
     in a round exceed ``budget``."""
@@ -146,9 +154,8 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
         )
     _check(pb)
     total = pb.total
-    ranks, (si, di) = index_ids(pb.src, pb.dst)
-    n_ranks = len(ranks)
-    load = sum_by(si, total, n_ranks) + sum_by(di, total, n_ranks)
+    si, di, load = _rank_load(pb)
+    n_ranks = len(load)
     busiest = int(load.max(initial=0))
     if -(-busiest // budget) > MAX_ROUNDS:
         raise ValueError(
@@ -239,11 +246,7 @@ def schedule_groups(table, groups: tuple[tuple[int, ...], ...], budget_bytes: in
             f"a switch budget of {budget_bytes} bytes leaves {staging} bytes to stage a round, less than the "
             f"largest indivisible piece (one element of {need} bytes): give a budget of at least {2 * need - 1} bytes"
         )
-    total = everything.total
-    ranks, (si, di) = index_ids(everything.src, everything.dst)
-    n_ranks = len(ranks)
-    load = sum_by(si, total, n_ranks) + sum_by(di, total, n_ranks)
-    busiest = int(load.max(initial=0))
+    busiest = int(_rank_load(everything)[2].max(initial=0))
     if -(-busiest // staging) + len(groups) > MAX_ROUNDS:
         raise ValueError(
             f"a switch budget of {budget_bytes} bytes needs more than {MAX_ROUNDS} rounds for a rank that moves "
