@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import dynatrain.planner.groups as groups
 
-from _raw_p2p import pair_bytes, raw_exchange  # this folder
+from _raw_p2p import budget_exchange, pair_bytes, raw_exchange  # this folder
 from dynatrain.engine import allocate_destinations, run_transition, torch_dtype
 from dynatrain.launcher import finish_rank
 from dynatrain.models.specs import layout_for_model
@@ -62,9 +62,12 @@ def one_switch(case: str, args, rank: int, world: int, way: str) -> dict:
     engine_s = time.perf_counter() - t0
     del dst, src, ready
     gc.collect()
-    raw_s = min(raw_exchange(pair_bytes(plan), rank, 64 * MiB, 2))
+    pairs = pair_bytes(plan)
+    raw_s = min(raw_exchange(pairs, rank, 64 * MiB, 2))
+    budget_raw_s = min(budget_exchange(pairs, rank, int(args.budget_mb * MiB), 2))
     return {"case": case, "way": way, "engine_s": engine_s, "alloc_ahead_s": alloc_s,
-            "raw_s": raw_s, "seconds_wire": stats.seconds_wire, "seconds_local": stats.seconds_local,
+            "raw_s": raw_s, "budget_raw_s": budget_raw_s, "seconds_wire": stats.seconds_wire,
+            "seconds_local": stats.seconds_local,
             "seconds_unpack": stats.seconds_unpack, "bytes_received": stats.bytes_received,
             "bytes_sent": stats.bytes_sent, "bytes_local": stats.bytes_local, "peak_bytes": stats.peak_bytes,
             "peak_bound": stats.peak_bound, "dst_bytes": stats.dst_bytes, "rounds": stats.rounds}

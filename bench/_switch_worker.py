@@ -53,7 +53,7 @@ def collect_sources(model, opt) -> dict:
     return out
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
-from _raw_p2p import pair_bytes, raw_exchange  # this folder
+from _raw_p2p import budget_exchange, pair_bytes, raw_exchange  # this folder
 from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")
@@ -237,6 +237,7 @@ class SwitchBench(pl.Callback):
         entry["bytes_moved_plan"] = plan.bytes_moved
         gc.collect()
         entry["raw_seconds"] = raw_exchange(pairs, rank, self.chunk, self.raw_repeats)
+        entry["budget_raw_seconds"] = budget_exchange(pairs, rank, int(budget * MiB), self.raw_repeats)
         entry["replay_seconds"] = schedule_replay(plan, rank, self.raw_repeats)
         del plan
         gc.collect()

@@ -9,7 +9,8 @@ The engine alone (no training) on synthetic states of ``--model`` (fp32 weights 
 * scale-out, 4 processes (2 cores: oversubscribed): dp_shard=2 -> dp_shard=4 with two joiners; *ahead*: the joiners
   allocate ahead, as `dynatrain join` does (they hold no sources, so it is within their bound).
 Per trial: the engine's seconds (barrier to return, the slowest process), the allocation ahead (outside the stall),
-and the raw p2p time of the same bytes per ordered pair, all at once, from and into touched buffers (`_raw_p2p.py`).
+and the raw p2p time of the same bytes per ordered pair from and into touched buffers (`_raw_p2p.py`), both all at
+once and in rounds that pass at most the budget through each process (the limit for any transfer under it).
 The ways take turns going first; median and range over ``--repeats``.
 
 ``--ways during,every-state`` compares the phases that leave states kept in place out of what a phase doubles with
@@ -43,9 +44,12 @@ def summarise(ranks: list[dict], ways: list[str]) -> list[dict]:
             mine = [t for t in trials if t[0]["case"] == case and t[0]["way"] == way]
             engine = [max(p["engine_s"] for p in t) for t in mine]
             raw = [max(p["raw_s"] for p in t) for t in mine]
+            budget_raw = [max(p["budget_raw_s"] for p in t) for t in mine]
             per_way[way] = {"rounds": max(p["rounds"] for p in mine[0]),
                             "engine_s": spread(engine), "raw_s": spread(raw),
                             "ratio_raw_to_engine": spread([r / e for r, e in zip(raw, engine)]),
+                            "budget_raw_s": spread(budget_raw),
+                            "ratio_budget_raw_to_engine": spread([r / e for r, e in zip(budget_raw, engine)]),
                             "alloc_ahead_s": spread([max(p["alloc_ahead_s"] for p in t) for t in mine]),
                             # the engine's own split, slowest process per trial: where the rest of the time goes
                             **{k: spread([max(p[k] for p in t) for t in mine])
@@ -70,7 +74,7 @@ def table(rows: list[dict], ways: list[str]) -> str:
     g = lambda s: f"{s['median']:.2f} ({s['min']:.2f} to {s['max']:.2f})"
     head = ["case", "received MiB (max)"]
     for way in ways:
-        head += [f"rounds, {way}", f"engine s, {way}", f"raw / engine, {way}"]
+        head += [f"rounds, {way}", f"engine s, {way}", f"raw / engine, {way}", f"raw under budget / engine, {way}"]
     head += [f"{way} / {ways[0]}" for way in ways[1:]]
     if "ahead" in ways:
         head.append("allocation ahead s")
@@ -78,7 +82,8 @@ def table(rows: list[dict], ways: list[str]) -> str:
     for r in rows:
         cells = [r["case"], f"{r['bytes_received_max'] / 2**20:.0f}"]
         for way in ways:
-            cells += [str(r[way]["rounds"]), f(r[way]["engine_s"]), g(r[way]["ratio_raw_to_engine"])]
+            cells += [str(r[way]["rounds"]), f(r[way]["engine_s"]), g(r[way]["ratio_raw_to_engine"]),
+                      g(r[way]["ratio_budget_raw_to_engine"])]
         cells += [f"{r[f'engine_{way}_over_{ways[0]}']:.2f}" for way in ways[1:]]
         if "ahead" in ways:
             cells.append(f(r["ahead"]["alloc_ahead_s"]))
