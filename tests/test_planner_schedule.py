@@ -328,6 +328,21 @@ def test_process_ids_index_and_sum_as_unique_would(top):
     assert sums.tolist() == [int(values[src == i].sum()) for i in held.tolist()]
 
 
+@pytest.mark.parametrize("values", [
+    [2**53 + 1, 1, 5],  # past what a double holds: int64 sums
+    [2**52, 0, 0],  # the magnitude bound fails, the exact sum does not: float sums, still exact
+    [-(2**60), 2**60 + 3, 7],  # negative values count by magnitude
+    [],
+])
+def test_sums_by_index_stay_exact(values):
+    from dynatrain.planner.pair_bytes import sum_by
+
+    index = np.array([0, 0, 2][:len(values)], dtype=np.int64)
+    out = sum_by(index, np.array(values, dtype=np.int64), 3)
+    assert out.dtype == np.int64
+    assert out.tolist() == [sum(v for i, v in zip(index.tolist(), values) if i == j) for j in range(3)]
+
+
 def test_identical_boxes_merge_in_the_order_unique_gives():
     from dynatrain.planner.routing import _distinct
 

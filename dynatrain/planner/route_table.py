@@ -167,7 +167,6 @@ class RouteTable:
     pair_src: np.ndarray = field(repr=False)  # global pairs (src, dst), ascending
     pair_dst: np.ndarray = field(repr=False)
     rows_pair: np.ndarray = field(repr=False)
-    rows_class: np.ndarray = field(repr=False)
     rows_n: np.ndarray = field(repr=False)
     rows_residue: np.ndarray = field(repr=False)
     rows_volume: np.ndarray = field(repr=False)
@@ -280,8 +279,8 @@ def route_table(
     old_proc, new_proc = _process_array(old.rank_map), _process_array(new.rank_map)
     node = _vector_node(node_of)
     blocks = []
-    rows_src, rows_dst, rows_class, rows_n, rows_res, rows_vol = [], [], [], [], [], []
-    for ci, ov in enumerate(ovs):
+    rows_src, rows_dst, rows_n, rows_res, rows_vol = [], [], [], [], []
+    for ov in ovs:
         rc = ov.route
         ob, nb = old.class_boxes(rc.old_class), new.class_boxes(rc.new_class)
         max_count = max((count for _, count in rc.itemsize_counts), default=0)
@@ -291,7 +290,6 @@ def route_table(
         region = blk.src_region[sel]
         rows_src.append(blk.src[sel])
         rows_dst.append(blk.dst[region])
-        rows_class.append(np.full(len(sel), ci, dtype=np.int64))
         rows_n.append(blk.n[sel])
         rows_res.append(blk.residue[sel])
         rows_vol.append(ov.volume[blk.overlap[region]])
@@ -299,7 +297,7 @@ def route_table(
            else (lambda xs: np.zeros(0, np.int64)))
     pair_src, pair_dst, inverse = pair_index(cat(rows_src), cat(rows_dst))
     span = np.concatenate([[0], np.cumsum([len(x) for x in rows_src])]).astype(np.int64)
-    return RouteTable(old, new, classes, tuple(ovs), tuple(blocks), pair_src, pair_dst, inverse, cat(rows_class),
+    return RouteTable(old, new, classes, tuple(ovs), tuple(blocks), pair_src, pair_dst, inverse,
                       cat(rows_n), cat(rows_res), cat(rows_vol), span)
 
 
