@@ -54,6 +54,28 @@ def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[in
     return mesh
 
 
+def connect_mesh_groups(mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.device | str) -> int:
+    """Run one one-element all-reduce on each group of ``mesh`` that has more than one rank (every root dimension
+    and every flattened name of ``pcfg``, each group once); returns how many this rank joined.
+
+    NCCL creates a group's communicator at its first collective, and that would otherwise be the new layout's
+    first all-gather, inside the first training step. Every rank of the mesh must call this, in the same order as
+    `init_mesh`: each rank joins one group per dimension, the dimensions come in the same order everywhere, and
+    the groups of one dimension are disjoint, so the collectives cannot wait on each other in a cycle. Gloo
+    connects at creation; there this adds a round trip per group."""
+    seen = set()
+    for name in (*pcfg.mesh_dim_names, *pcfg.flattened_dims()):
+        sub = mesh[name]
+        if sub.size() < 2:
+            continue
+        group = sub.get_group()
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        torch.distributed.all_reduce(torch.zeros(1, device=device), group=group)
+    return len(seen)
+
+
 def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
     """True when ranks ascend along every dimension of the (pp, dp_replicate, dp_shard, tp) mesh.
 

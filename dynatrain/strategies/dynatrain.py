@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
-from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
+from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, materialize_model, parallelize_llama
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.lightning_world import adopt_logger_versions, logger_versions, set_world
 from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
@@ -263,6 +263,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         if mesh is None:
             # Also under Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
             mesh = init_mesh(pcfg, self.root_device.type, key[1])
+            # Before the first step: a layout's first collectives should not carry its communicators' set-up.
+            connect_mesh_groups(mesh, pcfg, self.root_device)
             self._meshes[key] = mesh
         return mesh
 

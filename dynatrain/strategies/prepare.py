@@ -15,8 +15,8 @@ thread.
 
 Process groups are not prepared: torch holds one default group per process, so a member cannot hold the next
 generation's group beside the current one, and a joiner cannot enter the current one. Forming a generation stays
-in the stall (tens of milliseconds with gloo; NCCL creates its communicators at their first collective).
-"""
+in the stall (tens of milliseconds with gloo), and so does connecting the new mesh's groups, which NCCL would
+otherwise do at their first collective (`models.parallelize.connect_mesh_groups`)."""
 
 from __future__ import annotations
 

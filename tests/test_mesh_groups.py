@@ -1,0 +1,70 @@
+"""A new mesh's groups are connected when the mesh is built, not by the first training step's collectives."""
+
+import torch
+
+from dynatrain.models.parallelize import connect_mesh_groups
+from dynatrain.vps.parallel_config import ParallelConfig
+
+
+class _Sub:
+    def __init__(self, size, group):
+        self._size, self._group = size, group
+
+    def size(self):
+        return self._size
+
+    def get_group(self):
+        return self._group
+
+
+class _Mesh:
+    """Answers each name with a sub-mesh of the given size; names listed in ``shared`` return one group object."""
+
+    def __init__(self, sizes, shared=()):
+        self.sizes = sizes
+        common = object()
+        self.groups = {name: common if name in shared else object() for name in sizes}
+
+    def __getitem__(self, name):
+        return _Sub(self.sizes[name], self.groups[name])
+
+
+def test_every_group_with_peers_takes_one_collective_in_mesh_order(monkeypatch):
+    pcfg = ParallelConfig.parse("dp_replicate=2,dp_shard=2,tp=2")
+    names = (*pcfg.mesh_dim_names, *pcfg.flattened_dims())
+    # tensor_parallel is tp itself: the same group must not take a second collective.
+    mesh = _Mesh({n: 2 if n != "data_parallel" else 4 for n in names}, shared=("tp", "tensor_parallel"))
+    seen = []
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda t, group=None: seen.append((group, t.numel(), t.device.type)))
+    assert connect_mesh_groups(mesh, pcfg, torch.device("cpu")) == 4
+    expected = [mesh.groups[n] for n in ("dp_replicate", "dp_shard", "tp", "data_parallel")]
+    assert [g for g, _, _ in seen] == expected
+    assert all(n == 1 and dev == "cpu" for _, n, dev in seen)
+
+
+def test_single_rank_dimensions_take_no_collective(monkeypatch):
+    pcfg = ParallelConfig.parse("dp_shard=4")
+    names = (*pcfg.mesh_dim_names, *pcfg.flattened_dims())
+    mesh = _Mesh({n: 4 if n in ("dp_shard", "data_parallel") else 1 for n in names})
+    seen = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group=None: seen.append(group))
+    assert connect_mesh_groups(mesh, pcfg, "cpu") == 2
+    assert seen == [mesh.groups["dp_shard"], mesh.groups["data_parallel"]]
+
+
+def test_the_strategy_connects_a_mesh_once_when_it_builds_it(monkeypatch):
+    import types
+
+    import dynatrain.strategies.dynatrain as strategy_mod
+
+    built, connected = [], []
+    monkeypatch.setattr(strategy_mod, "init_mesh", lambda pcfg, kind, ranks: built.append(ranks) or object())
+    monkeypatch.setattr(strategy_mod, "connect_mesh_groups", lambda mesh, pcfg, device: connected.append(mesh))
+    fake = types.SimpleNamespace(_meshes={}, root_device=torch.device("cpu"))
+    pcfg = ParallelConfig.parse("dp_shard=2,tp=2")
+    first = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg)
+    again = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg)  # a switch back to a layout it has seen
+    other = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg, ranks=[0, 2, 1, 3])
+    assert first is again and other is not first
+    assert connected == [first, other]
