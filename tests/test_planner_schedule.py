@@ -387,3 +387,14 @@ def test_pairs_index_as_unique_would(top):
     pair_src, pair_dst, ours = pair_index(src, dst)
     assert np.array_equal(pair_src, keys // top) and np.array_equal(pair_dst, keys % top)
     assert np.array_equal(ours, inverse.reshape(-1))
+
+
+def test_route_table_indices_narrow_only_when_they_fit():
+    from dynatrain.planner.route_table import _narrow
+
+    fits = _narrow(np.array([5, -3, 2**31 - 1], dtype=np.int64))
+    assert fits.dtype == np.int32 and fits.tolist() == [5, -3, 2**31 - 1]
+    for wide in ([2**31], [-(2**31) - 1]):
+        kept = _narrow(np.array(wide, dtype=np.int64))
+        assert kept.dtype == np.int64 and kept.tolist() == wide
+    assert _narrow(np.zeros(0, dtype=np.int64)).dtype == np.int32

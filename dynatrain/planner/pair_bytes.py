@@ -60,6 +60,12 @@ def index_ids(*arrays: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
 
 def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct ids ascending, the sum of ``values`` per id), exactly."""
+    top = _small_ids((ids,))
+    if top:  # process ids: sum straight into an array indexed by id, with no index array of every row
+        present = np.zeros(top, dtype=bool)
+        present[ids] = True
+        held = np.flatnonzero(present)
+        return held, sum_by(ids, values, top)[held]
     held, (index,) = index_ids(ids)
     return held, sum_by(index, values, len(held))
 
