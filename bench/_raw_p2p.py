@@ -21,6 +21,13 @@ def pair_bytes(plan) -> dict[tuple[int, int], int]:
     return out
 
 
+def _buffers(pairs: dict[tuple[int, int], int], rank: int) -> tuple[dict, dict]:
+    """This rank's send buffers per receiver and receive buffers per sender, allocated and touched."""
+    sbuf = {d: torch.ones(n, dtype=torch.uint8) for (s, d), n in pairs.items() if s == rank}
+    rbuf = {s: torch.zeros(n, dtype=torch.uint8) for (s, d), n in pairs.items() if d == rank}
+    return sbuf, rbuf
+
+
 def budget_rounds(pairs: dict[tuple[int, int], int], budget: int) -> list[list[tuple[int, int, int]]]:
     """The pairs' bytes cut into as few rounds of ``(src, dst, nbytes)`` as let no process send plus receive more
     than ``budget`` bytes in one round: every pair moves an equal share in each round (both directions of a link at
@@ -48,8 +55,7 @@ def budget_exchange(pairs: dict[tuple[int, int], int], rank: int, budget: int, r
     """`budget_rounds` on the wire: each round one `batch_isend_irecv` between preallocated, pre-touched buffers,
     waited before the next. Seconds per repeat (barrier to the last wait on this rank)."""
     rounds = budget_rounds(pairs, budget)
-    sbuf = {d: torch.ones(n, dtype=torch.uint8) for (s, d), n in pairs.items() if s == rank}
-    rbuf = {s: torch.zeros(n, dtype=torch.uint8) for (s, d), n in pairs.items() if d == rank}
+    sbuf, rbuf = _buffers(pairs, rank)
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -76,10 +82,7 @@ def raw_exchange(pairs: dict[tuple[int, int], int], rank: int, chunk: int, repea
     """The same bytes between the same ordered pairs, all posted at once in one `batch_isend_irecv`, each pair's
     bytes as messages of at most ``chunk`` bytes, from/to preallocated, pre-touched buffers. Seconds per repeat
     (barrier to the last wait on this rank)."""
-    sends = {d: n for (s, d), n in pairs.items() if s == rank}
-    recvs = {s: n for (s, d), n in pairs.items() if d == rank}
-    sbuf = {d: torch.ones(n, dtype=torch.uint8) for d, n in sends.items()}
-    rbuf = {s: torch.zeros(n, dtype=torch.uint8) for s, n in recvs.items()}
+    sbuf, rbuf = _buffers(pairs, rank)
     times = []
     for _ in range(repeats):
         ops = []

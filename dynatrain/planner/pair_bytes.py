@@ -41,14 +41,20 @@ def _small_ids(arrays: tuple[np.ndarray, ...]) -> int:
     return top if low >= 0 and top <= 4 * size + (1 << 16) else 0
 
 
+def _present(arrays: tuple[np.ndarray, ...], top: int) -> np.ndarray:
+    """A mask over ids ``0..top-1``: which occur in ``arrays``."""
+    present = np.zeros(top, dtype=bool)
+    for a in arrays:
+        present[a] = True
+    return present
+
+
 def index_ids(*arrays: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """(distinct ids over all ``arrays``, ascending; each array as indices among them): np.unique and its inverse,
     in linear time for process ids (millions of pairs at 16,384 ranks)."""
     top = _small_ids(arrays)
     if top:
-        present = np.zeros(top, dtype=bool)
-        for a in arrays:
-            present[a] = True
+        present = _present(arrays, top)
         index = np.cumsum(present) - 1
         return np.flatnonzero(present), [index[a] for a in arrays]
     ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
@@ -62,9 +68,7 @@ def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """(distinct ids ascending, the sum of ``values`` per id), exactly."""
     top = _small_ids((ids,))
     if top:  # process ids: sum straight into an array indexed by id, with no index array of every row
-        present = np.zeros(top, dtype=bool)
-        present[ids] = True
-        held = np.flatnonzero(present)
+        held = np.flatnonzero(_present((ids,), top))
         return held, sum_by(ids, values, top)[held]
     held, (index,) = index_ids(ids)
     return held, sum_by(index, values, len(held))

@@ -131,9 +131,8 @@ def class_regions(
     sends = np.zeros(total, dtype=bool)
     sends[at_row] = residue[at_row] < max_count
     rotation = np.where(local, 0, q)
-    small = _narrow
-    return ClassRegions(small(rx), small(rb), small(dst), small(rotation), local, small(src_ptr), small(hproc[row_of]),
-                        small(hbox[row_of]), small(residue), small(n), sends)
+    return ClassRegions(_narrow(rx), _narrow(rb), _narrow(dst), _narrow(rotation), local, _narrow(src_ptr),
+                        _narrow(hproc[row_of]), _narrow(hbox[row_of]), _narrow(residue), _narrow(n), sends)
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -141,7 +140,7 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     half the bytes is half the fresh pages to map."""
     if len(a) and (int(a.max()) > np.iinfo(np.int32).max or int(a.min()) < np.iinfo(np.int32).min):
         return a
-    return a.astype(np.int32)
+    return a.astype(np.int32, copy=False)
 
 
 def _process_array(rank_map) -> np.ndarray:
@@ -303,13 +302,12 @@ def route_table(
         rows_n.append(blk.n[sel])
         rows_res.append(blk.residue[sel])
         rows_vol.append(ov.volume[blk.overlap[region]])
-    cat = ((lambda xs: np.concatenate(xs).astype(np.int64, copy=False)) if ovs
-           else (lambda xs: np.zeros(0, np.int64)))
-    cat_any = (lambda xs: np.concatenate(xs)) if ovs else (lambda xs: np.zeros(0, np.int64))  # keeps int32 narrow
-    pair_src, pair_dst, inverse = pair_index(cat(rows_src), cat(rows_dst))
+    cat = (lambda xs: np.concatenate(xs)) if ovs else (lambda xs: np.zeros(0, np.int64))
+    wide = lambda xs: cat(xs).astype(np.int64, copy=False)  # process ids: pair_index multiplies them
+    pair_src, pair_dst, inverse = pair_index(wide(rows_src), wide(rows_dst))
     span = np.concatenate([[0], np.cumsum([len(x) for x in rows_src])]).astype(np.int64)
     return RouteTable(old, new, classes, tuple(ovs), tuple(blocks), pair_src, pair_dst, inverse,
-                      _narrow(cat_any(rows_n)), _narrow(cat_any(rows_res)), cat(rows_vol), span)
+                      _narrow(cat(rows_n)), _narrow(cat(rows_res)), wide(rows_vol), span)
 
 
 def route(old: Layout, new: Layout, processes: Iterable[int] | None = None) -> Routing:
