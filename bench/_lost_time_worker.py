@@ -131,7 +131,7 @@ def run_restarts(args, chain: list[tuple[str, int]]) -> list[dict]:
         if rank >= procs:
             break
         if s > args.segment:  # a warm restart: the next world on this process, its own rendezvous
-            os.environ.update(WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs), MASTER_PORT=str(args.ports[s]))
+            os.environ.update(WORLD_SIZE=str(procs), LOCAL_WORLD_SIZE=str(procs), MASTER_PORT=str(args.ports[s - 1]))
         pcfg = ParallelConfig.parse(layout)
         strategy = ModelParallelStrategy(data_parallel_size=pcfg.dp_size, tensor_parallel_size=pcfg.tp)
         clock, decide = Clock(), Decide(args, [c[0] for c in chain], s)
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--segment", type=int, default=0, help="the segment this process starts in")
     ap.add_argument("--signal-dir", required=True)
     ap.add_argument("--ckpt-dir", default=None, help="cold, warm: where each segment's checkpoint goes")
-    ap.add_argument("--ports", default="", help="warm: the rendezvous port of each segment, comma-separated")
+    ap.add_argument("--ports", default="", help="warm: the rendezvous store port of each segment after the first, comma-separated")
     ap.add_argument("--model", default="debug")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1)

@@ -33,17 +33,17 @@ import json
 import os
 import random
 import secrets
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import joiner_env, launch_local, rank_env
+from dynatrain.launcher import AGENT_STORE_ENV, joiner_env, launch_local, rank_env
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")
@@ -57,17 +57,6 @@ def base_argv(args, mode: str, tmp: Path, segment: int = 0) -> list[str]:
             "--m", str(args.m), "--steady", str(args.steady), "--segment", str(segment), "--signal-dir", str(tmp),
             "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--global-batch", str(args.global_batch)]
-
-
-def distinct_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def scale_outs() -> list[int]:
@@ -87,13 +76,18 @@ def run_cold(args, tmp: Path) -> dict:
 
 
 def run_warm(args, tmp: Path) -> dict:
-    ports = distinct_ports(len(CHAIN))
-    argv = base_argv(args, "warm", tmp) + ["--ckpt-dir", str(tmp), "--ports", ",".join(map(str, ports))]
+    # Each later segment rendezvouses on a store this process hosts, as `launch_local` does for the first: its ranks
+    # run as clients of an agent's store, and a port picked now for rank 0 to bind later could be taken by then.
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in CHAIN[1:]]
+    ports = ",".join(str(s.port) for s in stores)
+    argv = base_argv(args, "warm", tmp) + ["--ckpt-dir", str(tmp), "--ports", ports]
     spawner = Spawner(tmp)
+    agent_env = {**ENV, AGENT_STORE_ENV: "True"}
     for i in scale_outs():
         old, new = CHAIN[i][1], CHAIN[i + 1][1]
-        seg = base_argv(args, "warm", tmp, i + 1) + ["--ckpt-dir", str(tmp), "--ports", ",".join(map(str, ports))]
-        spawner.when(tmp / f"decided-{i}", i, [(seg, rank_env(r, new, ports[i + 1], ENV)) for r in range(old, new)])
+        seg = base_argv(args, "warm", tmp, i + 1) + ["--ckpt-dir", str(tmp), "--ports", ports]
+        spawner.when(tmp / f"decided-{i}", i,
+                     [(seg, rank_env(r, new, stores[i].port, agent_env)) for r in range(old, new)])
     try:
         ranks = launch_local(argv, CHAIN[0][1], tmp, timeout=args.timeout, env=ENV, name="warm")
         ranks += spawner.finish(args.timeout)

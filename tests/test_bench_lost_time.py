@@ -1,0 +1,35 @@
+"""`bench/lost_time.py` runs its chain all three ways on `debug`: every world forms, every process reports, and every
+figure is measured from marks the trial really wrote (a warm restart whose later worlds cannot rendezvous hangs here
+instead of in a 46-minute recording)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_each_way_runs_the_whole_chain(tmp_path):
+    out = tmp_path / "lost.json"
+    cmd = [sys.executable, str(REPO / "bench/lost_time.py"), "--repeats", "1", "--steady", "2", "--timeout", "240",
+           "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["trials_done"] == 3 and sorted(t["way"] for t in data["trials"]) == ["cold", "online", "warm"]
+    for trial in data["trials"]:
+        assert len(trial["figures"]) == 2, trial["way"]
+        for fig in trial["figures"]:
+            assert math.isfinite(fig["lost_s"]) and fig["median_step_s"] > 0 and fig["first_step_ratio"] > 0
+            assert fig["m"] >= 5 and len(fig["steady_steps_s"]) == 2
+        segments = sorted(len(r["segments"]) for r in trial["ranks"])
+        # 4 -> 2 -> 4: cold runs every world in new processes; warm keeps ranks 0 and 1 through all three worlds;
+        # online keeps one Trainer per process, the 2 that leave and the 2 that join included.
+        assert segments == {"cold": [1] * 10, "warm": [1, 1, 1, 1, 3, 3], "online": [1] * 6}[trial["way"]]
+        if trial["way"] == "online":
+            assert all(len(r["reports"]) == (2 if not r["left"] and r["rank"] >= 0 else 1 if r["left"] else 0)
+                       for r in trial["ranks"])
