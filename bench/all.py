@@ -2,7 +2,7 @@
 
     python bench/all.py [--only step_time,step_profile,switch,restart,scale]
     python bench/all.py --only soak       # optional, not in the default run (about 15 minutes on 2 cores)
-    python bench/all.py --only lost_time  # optional (46 minutes on 2 cores)
+    python bench/all.py --only lost_time  # optional (27 to 46 minutes on 2 cores)
     python bench/all.py --only first_step # optional (2 minutes)
     python bench/all.py --only first_touch # optional (1.5 minutes)
 
