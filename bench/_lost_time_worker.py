@@ -173,7 +173,8 @@ def main() -> None:
     ap.add_argument("--segment", type=int, default=0, help="the segment this process starts in")
     ap.add_argument("--signal-dir", required=True)
     ap.add_argument("--ckpt-dir", default=None, help="cold, warm: where each segment's checkpoint goes")
-    ap.add_argument("--ports", default="", help="warm: the rendezvous store port of each segment after the first, comma-separated")
+    ap.add_argument("--ports", default="",
+                    help="warm: the rendezvous store port of each segment after the first, comma-separated")
     ap.add_argument("--model", default="debug")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=1)

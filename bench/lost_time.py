@@ -39,11 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import AGENT_STORE_ENV, joiner_env, launch_local, rank_env
+from dynatrain.launcher import host_store, joiner_env, launch_local, rank_env
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")
@@ -77,17 +76,15 @@ def run_cold(args, tmp: Path) -> dict:
 
 def run_warm(args, tmp: Path) -> dict:
     # Each later segment rendezvouses on a store this process hosts, as `launch_local` does for the first: its ranks
-    # run as clients of an agent's store, and a port picked now for rank 0 to bind later could be taken by then.
-    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in CHAIN[1:]]
+    # are clients of their launcher's store, and none of them hosts one.
+    stores = [host_store() for _ in CHAIN[1:]]
     ports = ",".join(str(s.port) for s in stores)
     argv = base_argv(args, "warm", tmp) + ["--ckpt-dir", str(tmp), "--ports", ports]
     spawner = Spawner(tmp)
-    agent_env = {**ENV, AGENT_STORE_ENV: "True"}
     for i in scale_outs():
         old, new = CHAIN[i][1], CHAIN[i + 1][1]
         seg = base_argv(args, "warm", tmp, i + 1) + ["--ckpt-dir", str(tmp), "--ports", ports]
-        spawner.when(tmp / f"decided-{i}", i,
-                     [(seg, rank_env(r, new, stores[i].port, agent_env)) for r in range(old, new)])
+        spawner.when(tmp / f"decided-{i}", i, [(seg, rank_env(r, new, stores[i].port, ENV)) for r in range(old, new)])
     try:
         ranks = launch_local(argv, CHAIN[0][1], tmp, timeout=args.timeout, env=ENV, name="warm")
         ranks += spawner.finish(args.timeout)

@@ -18,7 +18,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 
-# Every rank of a `launch_local` is a client of the store the launcher holds (torch's env:// rendezvous reads it).
+# Every rank started here is a client of the store its launcher holds (torch's env:// rendezvous reads it).
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
@@ -26,12 +26,21 @@ class LaunchError(RuntimeError):
     pass
 
 
+def host_store():
+    """A rendezvous store for ranks this process starts, on a port the kernel picks: hold it until they are done."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of local rank ``rank`` of ``world`` whose store is on ``port``: this process's environment,
-    then ``env``, then the rank's identity; threads split the cores unless ``env`` says otherwise."""
+    """The environment of local rank ``rank`` of ``world`` whose store its launcher hosts on ``port`` (`host_store`):
+    this process's environment, then ``env``, then the rank's identity; threads split the cores unless ``env`` says
+    otherwise. Every rank, rank 0 included, connects to that store as a client."""
     full = {**os.environ, **(env or {})}
     full.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                 LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
+    full[AGENT_STORE_ENV] = "True"
     full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     full.setdefault("WANDB_MODE", "offline")
     return full
@@ -65,15 +74,13 @@ def launch_local(
     ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
     (`dynatrain.forked_ranks`), where the platform can fork.
     """
-    import torch.distributed as dist
-
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = host_store()
     port = store.port
     outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
-    envs = [{**rank_env(rank, nprocs, port, env), AGENT_STORE_ENV: "True"} for rank in range(nprocs)]
+    envs = [rank_env(rank, nprocs, port, env) for rank in range(nprocs)]
     if preload and hasattr(os, "fork"):
         procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload)
     else:
