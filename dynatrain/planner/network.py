@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynatrain.planner.pair_bytes import sum_by_id
+from dynatrain.planner.pair_bytes import sum_by
 
 
 @dataclass(frozen=True)
@@ -64,23 +64,18 @@ class NetworkModel:
         if not len(src):
             return 0.0
         a, b = src // self.gpus_per_node, dst // self.gpus_per_node
-        intra = a == b
-        inter = ~intra
-
-        def most(ids: np.ndarray, weights: np.ndarray) -> float:
-            # Integer byte sums below 2**53 are exact in float64; dividing by one rate keeps the order.
-            if not len(ids):
-                return 0.0
-            return float(sum_by_id(ids, weights)[1].max())
-
-        worst = max(
-            most(src[intra], nbytes[intra]) / self.intra_bytes_per_s,
-            most(dst[intra], nbytes[intra]) / self.intra_bytes_per_s,
-            most(src[inter], nbytes[inter]) / self.gpu_inter_bytes_per_s,
-            most(dst[inter], nbytes[inter]) / self.gpu_inter_bytes_per_s,
-            most(a[inter], nbytes[inter]) / self.node_inter_bytes_per_s,
-            most(b[inter], nbytes[inter]) / self.node_inter_bytes_per_s,
-        )
+        inter = np.where(a != b, nbytes, 0)
+        worst = 0.0
+        # Sums straight into arrays indexed by process id: a 16,384-rank round has millions of messages, and
+        # masking them per link kind would copy each of them several times. Integer byte sums below 2**53 are exact
+        # in float64; dividing by one rate keeps the order.
+        for ids in (src, dst):
+            top = int(ids.max()) + 1
+            every, gpu_inter = sum_by(ids, nbytes, top), sum_by(ids, inter, top)
+            node_inter = sum_by(np.arange(top) // self.gpus_per_node, gpu_inter, -(-top // self.gpus_per_node))
+            worst = max(worst, float((every - gpu_inter).max()) / self.intra_bytes_per_s,
+                        float(gpu_inter.max()) / self.gpu_inter_bytes_per_s,
+                        float(node_inter.max()) / self.node_inter_bytes_per_s)
         return worst + self.round_latency_s
 
     def predict_seconds(self, traffic: Iterable[Iterable[tuple[int, int, int, int]]]) -> float:

@@ -64,6 +64,16 @@ def index_ids(*arrays: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return uniq, np.split(inverse, cuts)
 
 
+def dense_ids(*arrays: np.ndarray) -> tuple[int, list[np.ndarray]]:
+    """(n, each array as ids below n): the arrays themselves when they are process ids few enough to index an array
+    by, else their indices among the distinct ids (`index_ids`)."""
+    top = _small_ids(arrays)
+    if top:
+        return top, list(arrays)
+    uniq, index = index_ids(*arrays)
+    return len(uniq), index
+
+
 def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct ids ascending, the sum of ``values`` per id), exactly."""
     top = _small_ids((ids,))
@@ -111,6 +121,7 @@ class PairBytes(Mapping):
         self.nbytes = np.asarray(nbytes, dtype=np.int64).reshape(len(self.src), len(self.sizes))
         self.pair_id = np.arange(len(self.src)) if pair_id is None else np.asarray(pair_id, dtype=np.int64)
         self._where: dict | None = None
+        self._total: np.ndarray | None = None
 
     @classmethod
     def from_dict(cls, pair_bytes: Mapping) -> "PairBytes":
@@ -130,8 +141,10 @@ class PairBytes(Mapping):
 
     @property
     def total(self) -> np.ndarray:
-        """Bytes per pair."""
-        return self.nbytes.sum(axis=1)
+        """Bytes per pair (computed once: the schedule reads it several times, over millions of pairs)."""
+        if self._total is None:
+            self._total = self.nbytes.sum(axis=1)
+        return self._total
 
     def _index(self) -> dict:
         if self._where is None:

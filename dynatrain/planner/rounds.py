@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from dynatrain.planner.pair_bytes import PairBytes, index_ids, sum_by
+from dynatrain.planner.pair_bytes import PairBytes, dense_ids, sum_by
 
 Slice = tuple[int, int, int, int]  # (src, dst, stream offset, bytes)
 MAX_ROUNDS = 100_000  # beyond this a budget is a typo (bytes for MiB), not a plan anyone wants to run
@@ -83,6 +83,9 @@ def min_budget(pair_bytes: Mapping) -> int:
 
 
 def _check(pb: PairBytes) -> None:
+    whole = pb.sizes - 1  # with power-of-two itemsizes, a count of whole elements has none of these bits set
+    if (pb.sizes > 0).all() and not (pb.sizes & whole).any() and not (pb.nbytes & whole).any():
+        return
     sizes = pb.sizes[None, :]
     bad_mod = pb.nbytes % np.maximum(sizes, 1) != 0
     bad_pow = ((sizes & (sizes - 1)) != 0) & (pb.nbytes > 0)
@@ -136,16 +139,15 @@ def _walk(order, si, di, ends, sizes, offset, total, room, cap) -> None:
 
 
 def _rank_load(pb: PairBytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(each pair's sender and receiver as indices among the ranks that move bytes, each such rank's bytes sent
-    plus received)."""
-    ranks, (si, di) = index_ids(pb.src, pb.dst)
+    """(each pair's sender and receiver as ids below n (`dense_ids`), each such id's bytes sent plus received)."""
+    n, (si, di) = dense_ids(pb.src, pb.dst)
     total = pb.total
-    return si, di, sum_by(si, total, len(ranks)) + sum_by(di, total, len(ranks))
+    return si, di, sum_by(si, total, n) + sum_by(di, total, n)
 
 
-def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def schedule_arrays(pb: PairBytes, budget: int, rank_load=None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Rounds as (pair rows of ``pb`` ascending, stream offsets, bytes) such that no rank's sent + received bytes
-    in a round exceed ``budget``."""
+    in a round exceed ``budget``; ``rank_load``: `_rank_load(pb)` when the caller has it (this consumes it)."""
     need = min_budget(pb)
     if budget < need:
         raise ValueError(
@@ -154,7 +156,7 @@ def schedule_arrays(pb: PairBytes, budget: int) -> list[tuple[np.ndarray, np.nda
         )
     _check(pb)
     total = pb.total
-    si, di, load = _rank_load(pb)
+    si, di, load = rank_load or _rank_load(pb)
     n_ranks = len(load)
     busiest = int(load.max(initial=0))
     if -(-busiest // budget) > MAX_ROUNDS:
@@ -246,7 +248,8 @@ def schedule_groups(table, groups: tuple[tuple[int, ...], ...], budget_bytes: in
             f"a switch budget of {budget_bytes} bytes leaves {staging} bytes to stage a round, less than the "
             f"largest indivisible piece (one element of {need} bytes): give a budget of at least {2 * need - 1} bytes"
         )
-    busiest = int(_rank_load(everything)[2].max(initial=0))
+    load = _rank_load(everything)
+    busiest = int(load[2].max(initial=0))
     if -(-busiest // staging) + len(groups) > MAX_ROUNDS:
         raise ValueError(
             f"a switch budget of {budget_bytes} bytes needs more than {MAX_ROUNDS} rounds for a rank that moves "
@@ -259,7 +262,9 @@ def schedule_groups(table, groups: tuple[tuple[int, ...], ...], budget_bytes: in
         pb = everything if len(groups) == 1 else table.group_pair_bytes(members)
         start = len(traffic)
         if len(pb):
-            for rows, off, n in schedule_arrays(pb, staging):
+            for rows, off, n in schedule_arrays(pb, staging, load if pb is everything else None):
+                if len(rows) == len(pb):  # every pair (rows ascend): its arrays as they are, not a copy of each
+                    rows = slice(None)
                 traffic.append(Slices(pb.src[rows], pb.dst[rows], base[pb.pair_id[rows]] + off, n))
             base[pb.pair_id] += pb.total
         if len(traffic) == start:

@@ -210,6 +210,8 @@ class RouteTable:
                            for j, s in enumerate(sizes.tolist())], axis=1) if len(sizes) else \
             np.zeros((len(self.pair_src), 0), dtype=np.int64)
         used = np.flatnonzero(nbytes.sum(axis=1) > 0)
+        if len(used) == len(nbytes):  # every pair: the arrays as they are, not a copy of each
+            return PairBytes(self.pair_src, self.pair_dst, sizes, nbytes, used)
         return PairBytes(self.pair_src[used], self.pair_dst[used], sizes, nbytes[used], used)
 
     @property

@@ -29,7 +29,7 @@ import numpy as np
 from dynatrain.planner.assignment import Assignment, assign, candidates, identity_map, kept_bytes
 from dynatrain.planner.groups import state_groups
 from dynatrain.planner.pages import with_small_pages
-from dynatrain.planner.pair_bytes import sum_by_id
+from dynatrain.planner.pair_bytes import sum_by
 from dynatrain.planner.rank_plan import Message, RankPlan, Round, expand_rank
 from dynatrain.planner.route_table import RouteTable, route_table
 from dynatrain.planner.rounds import (  # noqa: F401  (min_budget, schedule_pairs: part of this module's API)
@@ -104,23 +104,33 @@ class SwitchPlan:
         return sum(int(rnd.nbytes.sum()) for rnd in self.traffic)
 
     def rank_bytes(self) -> tuple[dict[int, int], dict[int, int]]:
-        """(bytes sent, bytes received) per process over the whole switch."""
-        out = []
-        for side in ("src", "dst"):
-            procs = np.concatenate([getattr(rnd, side) for rnd in self.traffic] or [np.zeros(0, np.int64)])
-            n = np.concatenate([rnd.nbytes for rnd in self.traffic] or [np.zeros(0, np.int64)])
-            uniq, sums = sum_by_id(procs, n)
-            out.append(dict(zip(uniq.tolist(), sums.tolist())))
-        return out[0], out[1]
+        """(bytes sent, bytes received) per process over the whole switch: senders and receivers only."""
+        senders, receivers, sent, recv, _ = self._loads()
+        return (dict(zip(senders.tolist(), sent[senders].tolist())),
+                dict(zip(receivers.tolist(), recv[receivers].tolist())))
 
     @property
     def peak_staging_bytes(self) -> int:
-        peak = 0
-        for rnd in self.traffic:
-            if len(rnd):
-                _, use = sum_by_id(np.concatenate([rnd.src, rnd.dst]), np.concatenate([rnd.nbytes, rnd.nbytes]))
-                peak = max(peak, int(use.max()))
-        return peak
+        """The most bytes one process sends plus receives in one round."""
+        return self._loads()[4]
+
+    def _loads(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """(the processes that send, those that receive, the bytes each process id sends and receives in all, the
+        most one process sends plus receives in a round); one pass over the messages, millions at 16,384 ranks."""
+        loads = self._cache.get("loads")
+        if loads is None:
+            rounds = [rnd for rnd in self.traffic if len(rnd)]
+            top = 1 + max((int(max(rnd.src.max(), rnd.dst.max())) for rnd in rounds), default=-1)
+            sending, receiving = np.zeros(top, dtype=bool), np.zeros(top, dtype=bool)
+            sent, recv, peak = np.zeros(top, dtype=np.int64), np.zeros(top, dtype=np.int64), 0
+            for rnd in rounds:
+                sending[rnd.src] = receiving[rnd.dst] = True
+                out, into = sum_by(rnd.src, rnd.nbytes, top), sum_by(rnd.dst, rnd.nbytes, top)
+                sent += out
+                recv += into
+                peak = max(peak, int((out + into).max()))
+            loads = self._cache["loads"] = np.flatnonzero(sending), np.flatnonzero(receiving), sent, recv, peak
+        return loads
 
     # ----- per rank
     def rank_plan(self, rank: int) -> RankPlan:
