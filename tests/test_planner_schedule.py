@@ -376,9 +376,10 @@ def test_box_pairs_meet_as_a_plain_double_loop_finds(nd):
     assert sorted(got) == sorted(expected) and len(got) == len(set(got))
 
 
-@pytest.mark.parametrize("top", [300, 1 << 17])
+@pytest.mark.parametrize("top", [300, 1 << 17, 1 << 31])
 def test_pairs_index_as_unique_would(top):
-    # Ids that fit 16 bits take the radix sort, larger ones a comparison sort: both give np.unique's answer.
+    # Keys that fit an int64 beside the row number are sorted packed with it, larger ones by a stable argsort:
+    # both give np.unique's answer.
     from dynatrain.planner.pair_bytes import pair_index
 
     rng = np.random.default_rng(top % 89)

@@ -26,13 +26,15 @@ from dynatrain.vps.box import Box
 from dynatrain.vps.layout import ClassBoxes, Layout
 
 
-def expand_csr(ptr: np.ndarray, ind: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each entry of ``which`` (a CSR row), repeat it per member: (entry index, member)."""
+def expand_csr(ptr: np.ndarray, ind: np.ndarray | None, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each entry of ``which`` (a CSR row), repeat it per member: (entry index, member); ``ind`` None: the
+    members are the positions in the CSR themselves."""
     counts = ptr[which + 1] - ptr[which]
     total = int(counts.sum())
     rep = np.repeat(np.arange(len(which)), counts)
-    starts = np.repeat(ptr[which] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-    return rep, ind[(starts + np.arange(total)).astype(np.int64)]
+    at = np.repeat(ptr[which] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts).astype(np.int64, copy=False)
+    at += np.arange(total)
+    return rep, at if ind is None else ind[at]
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,7 +107,7 @@ def class_regions(
                          "snapshot, the switch cannot rebuild it")
 
     remote = np.flatnonzero(~local)
-    rep, hrow = expand_csr(hptr, np.arange(len(hk)), k[remote])
+    rep, hrow = expand_csr(hptr, None, k[remote])
     if node is not None and len(rep):
         same = node(hproc[hrow]) == node(dst[remote][rep])
         near = np.bincount(rep, weights=same, minlength=len(remote))
