@@ -67,3 +67,43 @@ def test_rounds_take_what_the_busiest_link_carries(new, leave):
     assert plan.num_rounds > len(plan.groups) > 1
     bound = _busiest_link_seconds(net, plan)
     assert net.predict_seconds(plan.traffic) <= 1.01 * bound + plan.num_rounds * net.round_latency_s
+
+
+def _per_link_seconds(net: NetworkModel, messages) -> float:
+    """The model's round time, summed message by message in plain Python."""
+    loads: dict[tuple, int] = {}
+    g = net.gpus_per_node
+    for s, d, n in messages:
+        links = (("intra", "out", s), ("intra", "in", d)) if s // g == d // g else (
+            ("gpu", "out", s), ("gpu", "in", d), ("node", "out", s // g), ("node", "in", d // g))
+        for link in links:
+            loads[link] = loads.get(link, 0) + n
+    rate = {"intra": net.intra_bytes_per_s, "gpu": net.gpu_inter_bytes_per_s, "node": net.node_inter_bytes_per_s}
+    return max((b / rate[link[0]] for link, b in loads.items()), default=0.0) + net.round_latency_s
+
+
+@pytest.mark.parametrize("nics", [8, 1])
+def test_plan_figures_match_message_by_message_sums(nics):
+    # The per-process and per-link sums run on arrays indexed by process id; the same sums in plain Python over a
+    # plan of several rounds, with traffic inside and between nodes, must give the same figures.
+    old = layout_for_model("llama3-70b", ParallelConfig.parse("dp_shard=8,tp=8"))
+    plan = plan_switch(old, "dp_shard=16,tp=4", budget_bytes=2 << 30, gpus_per_node=8)
+    net = NetworkModel(nics_per_node=nics)
+    assert plan.num_rounds > 1
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    peak = 0
+    for rnd in plan.traffic:
+        in_round: dict[int, int] = {}
+        for s, d, _, n in rnd:
+            sent[s] = sent.get(s, 0) + n
+            received[d] = received.get(d, 0) + n
+            in_round[s] = in_round.get(s, 0) + n
+            in_round[d] = in_round.get(d, 0) + n
+        peak = max(peak, *in_round.values(), 0)
+        assert net.round_seconds([(s, d, n) for s, d, _, n in rnd]) == pytest.approx(
+            _per_link_seconds(net, [(s, d, n) for s, d, _, n in rnd]), rel=1e-12)
+    assert plan.rank_bytes() == (sent, received)
+    assert plan.peak_staging_bytes == peak
+    assert any(s // 8 == d // 8 for rnd in plan.traffic for s, d, _, _ in rnd)
+    assert any(s // 8 != d // 8 for rnd in plan.traffic for s, d, _, _ in rnd)
