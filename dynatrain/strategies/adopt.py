@@ -18,27 +18,42 @@ if TYPE_CHECKING:
     from dynatrain.strategies.switcher import Switcher
 
 
-def fill_target(target: nn.Module, names: list[str], dst: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Allocate the target's children ``names`` on ``device`` and copy each parameter's and buffer's moved
-    tensor in, freeing it as soon as it is copied."""
-    for n in names:
-        child = target._modules[n]
-        if child is not None:
-            child.to_empty(device=device)
-    for n, p in list(target._parameters.items()):
-        if p is not None and p.is_meta:  # a parameter the LightningModule holds itself
-            target._parameters[n] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+def fill_target(target: nn.Module, dst: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Give the target's parameters and buffers their moved tensors. A moved tensor that has the local shard's
+    shape, dtype and device and is contiguous becomes the shard itself (FSDP2 re-reads its shards at lazy
+    initialisation, as after ``to_empty``); any other is copied into fresh storage. No parameter is held twice, and
+    the weights are not copied again after the transfer."""
     with torch.no_grad():
-        for name, p in target.named_parameters():
-            new = dst.pop(name)
-            local = local_tensor(p)
-            if new.shape != local.shape:
-                raise RuntimeError(f"{name}: the switch produced {tuple(new.shape)}, "
-                                   f"the target holds {tuple(local.shape)}")
-            local.copy_(new)
-            del new
-        for name, b in target.named_buffers():
-            b.copy_(dst.pop(name).reshape(b.shape))
+        for prefix, owner in target.named_modules():
+            for key, p in list(owner._parameters.items()):
+                if p is not None:
+                    name = f"{prefix}.{key}" if prefix else key
+                    owner._parameters[key] = _adopted_parameter(name, p, dst.pop(name), device)
+            for key, b in list(owner._buffers.items()):
+                if b is not None:
+                    name = f"{prefix}.{key}" if prefix else key
+                    owner._buffers[key] = _adopted_tensor(name, b, dst.pop(name).reshape(b.shape), device)
+
+
+def _adopted_tensor(name: str, like: torch.Tensor, new: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``new`` itself when it can stand for ``like``'s storage, else a fresh contiguous copy of it."""
+    if new.shape != like.shape:
+        raise RuntimeError(f"{name}: the switch produced {tuple(new.shape)}, the target holds {tuple(like.shape)}")
+    if new.dtype == like.dtype and new.device == device and new.is_contiguous():
+        return new
+    return torch.empty(like.shape, dtype=like.dtype, device=device).copy_(new)
+
+
+def _adopted_parameter(name: str, p: nn.Parameter, new: torch.Tensor, device: torch.device) -> nn.Parameter:
+    local = _adopted_tensor(name, local_tensor(p), new, device)
+    if isinstance(p, DTensor):
+        local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+    fresh = nn.Parameter(local, requires_grad=p.requires_grad)
+    if torch.__future__.get_swap_module_params_on_conversion():  # the object must stay, as `to_empty` keeps it
+        torch.utils.swap_tensors(p, fresh)
+        return p
+    return fresh
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: dict[str, torch.Tensor],
@@ -72,7 +87,7 @@ def adopt_module(switcher: "Switcher", target_module, names, mesh, target: Paral
     optimizer, schedules and data then follow the new layout."""
     strategy = switcher.strategy
     module = strategy.lightning_module
-    fill_target(target_module, names, dst, strategy.root_device)
+    fill_target(target_module, dst, strategy.root_device)
     transplant(module, target_module, names)
     strategy._device_mesh = module._device_mesh = mesh
     strategy.parallel_config, strategy.positions = target, list(positions)

@@ -89,9 +89,19 @@ def _stage_coordinate(root: DeviceMesh) -> tuple[int, int] | None:
     return dim, root.get_coordinate()[dim]
 
 
-def sharding_of(t: torch.Tensor, root: DeviceMesh) -> Sharding:
+def sharding_of(t: torch.Tensor, root: DeviceMesh, memo: dict | None = None) -> Sharding:
     """How ``t`` lies on the root mesh: its DTensor placements, or whole everywhere for a plain tensor; with pp,
-    held by this process's stage only, unless its mesh spans the stages."""
+    held by this process's stage only, unless its mesh spans the stages. ``memo``: a dict kept for one pass over
+    a module (its meshes stay alive meanwhile), where tensors placed alike share one answer."""
+    if memo is None:
+        return _sharding_of(t, root)
+    key = (id(t.device_mesh), tuple(t.placements)) if isinstance(t, DTensor) else None
+    if key not in memo:
+        memo[key] = _sharding_of(t, root)
+    return memo[key]
+
+
+def _sharding_of(t: torch.Tensor, root: DeviceMesh) -> Sharding:
     shape = tuple(root.mesh.shape)
     mesh_runs = _mesh_runs(t.device_mesh, root) if isinstance(t, DTensor) else []
     placements, runs = [], []
@@ -190,8 +200,9 @@ def check_switchable(module: nn.Module, optimizers) -> None:
 def capture(module: nn.Module, optimizer, root: DeviceMesh) -> Captured:
     """This rank's view of every routed state of ``module`` and ``optimizer`` (see the module docstring)."""
     specs, shardings, param_of, sources, scalars = [], [], {}, {}, {}
+    memo: dict = {}
     for name, p in module.named_parameters():
-        sh = sharding_of(p, root)
+        sh = sharding_of(p, root, memo)
         specs.append(StateSpec(name, tuple(p.shape), dtype_name(p)))
         shardings.append(sh)
         param_of[name] = (name, None)
@@ -209,7 +220,7 @@ def capture(module: nn.Module, optimizer, root: DeviceMesh) -> Captured:
     for name, b in module.named_buffers():
         whole = b.detach().reshape(1) if b.dim() == 0 else b.detach()
         specs.append(StateSpec(name, tuple(whole.shape), dtype_name(b)))
-        shardings.append(sharding_of(whole, root))
+        shardings.append(sharding_of(whole, root, memo))
         param_of[name] = (name, BUFFER)
         sources[name] = whole
     return Captured(tuple(specs), tuple(shardings), param_of, sources, scalars)
@@ -217,9 +228,10 @@ def capture(module: nn.Module, optimizer, root: DeviceMesh) -> Captured:
 
 def module_shardings(module: nn.Module, root: DeviceMesh) -> dict[str, tuple[tuple[int, ...], Sharding]]:
     """Every parameter's and buffer's (global shape, sharding) in ``module``, by name."""
-    out = {name: (tuple(p.shape), sharding_of(p, root)) for name, p in module.named_parameters()}
+    memo: dict = {}
+    out = {name: (tuple(p.shape), sharding_of(p, root, memo)) for name, p in module.named_parameters()}
     for name, b in module.named_buffers():
-        out[name] = (tuple(b.shape) or (1,), sharding_of(b, root))
+        out[name] = (tuple(b.shape) or (1,), sharding_of(b, root, memo))
     return out
 
 

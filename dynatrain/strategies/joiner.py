@@ -23,7 +23,6 @@ from dynatrain.strategies.join_payload import decode_scalars
 from dynatrain.strategies.lightning_world import adopt_logger_versions, set_world
 from dynatrain.strategies.prepare import JoinerPrep, plan_from_payload
 from dynatrain.strategies.report import check_unchanged
-from dynatrain.strategies.target import param_children
 from dynatrain.strategies.world_switch import ranks_in
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -108,7 +107,7 @@ def adopt_joined_module(switcher: "Switcher") -> None:
     """After the module's own parallelisation for the target layout: the received shards in place."""
     receive_joined(switcher)
     module = switcher.strategy.lightning_module
-    fill_target(module, param_children(module), switcher.joined.dst, switcher.strategy.root_device)
+    fill_target(module, switcher.joined.dst, switcher.strategy.root_device)
 
 
 def adopt_joined_optimizer(switcher: "Switcher") -> None:
