@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 def fill_target(target: nn.Module, dst: dict[str, torch.Tensor], device: torch.device) -> None:
     """Give the target's parameters and buffers their moved tensors. A moved tensor that has the local shard's
     shape, dtype and device and is contiguous becomes the shard itself (FSDP2 re-reads its shards at lazy
-    initialisation, as after ``to_empty``); any other is copied into fresh storage. No parameter is held twice, and
-    the weights are not copied again after the transfer."""
+    initialisation, as after ``to_empty``); any other is copied into fresh storage. The weights are not copied
+    again after the transfer, nor allocated a second time."""
     with torch.no_grad():
         for prefix, owner in target.named_modules():
             for key, p in list(owner._parameters.items()):
