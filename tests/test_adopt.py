@@ -64,6 +64,24 @@ def test_moved_tensors_become_the_shards(one_process_group):
     assert torch.equal(net(x), reference(x, moved))
 
 
+def test_parameters_stay_the_same_objects_when_torch_swaps_on_conversion(one_process_group):
+    # With this flag `to_empty` keeps each parameter object (and FSDP2 then requires it): so must the adoption.
+    net = meta_target()
+    moved = moved_states(net)
+    before = {name: id(p) for name, p in net.named_parameters()}
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        fill_target(net, dict(moved), torch.device("cpu"))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    for name, p in net.named_parameters():
+        assert id(p) == before[name] and p.to_local().data_ptr() == moved[name].data_ptr(), name
+    x = torch.randn(3, 8)
+    net(x).sum().backward()
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    assert torch.equal(net(x), reference(x, moved))
+
+
 def test_tensors_that_cannot_be_shards_are_copied(one_process_group):
     net = meta_target()
     moved = moved_states(net)

@@ -25,14 +25,13 @@ def fill_target(target: nn.Module, dst: dict[str, torch.Tensor], device: torch.d
     again after the transfer, nor allocated a second time."""
     with torch.no_grad():
         for prefix, owner in target.named_modules():
+            at = f"{prefix}." if prefix else ""
             for key, p in list(owner._parameters.items()):
                 if p is not None:
-                    name = f"{prefix}.{key}" if prefix else key
-                    owner._parameters[key] = _adopted_parameter(name, p, dst.pop(name), device)
+                    owner._parameters[key] = _adopted_parameter(at + key, p, dst.pop(at + key), device)
             for key, b in list(owner._buffers.items()):
                 if b is not None:
-                    name = f"{prefix}.{key}" if prefix else key
-                    owner._buffers[key] = _adopted_tensor(name, b, dst.pop(name).reshape(b.shape), device)
+                    owner._buffers[key] = _adopted_tensor(at + key, b, dst.pop(at + key).reshape(b.shape), device)
 
 
 def _adopted_tensor(name: str, like: torch.Tensor, new: torch.Tensor, device: torch.device) -> torch.Tensor:
