@@ -3,6 +3,7 @@
 
 import argparse
 import os
+import resource
 import time
 import warnings
 
@@ -19,14 +20,20 @@ warnings.filterwarnings("ignore")
 
 
 class StepClock(pl.Callback):
+    """At the end of each optimizer step: the wall clock, and this process's CPU seconds (user, system) and minor
+    page faults so far."""
+
     def __init__(self):
         self.times: list[float] = []
+        self.usage: list[tuple[float, float, int]] = []
         self._step = 0
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step != self._step:
             self._step = trainer.global_step
             self.times.append(time.perf_counter())
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            self.usage.append((ru.ru_utime, ru.ru_stime, ru.ru_minflt))
 
 
 def main() -> None:
@@ -69,7 +76,12 @@ def main() -> None:
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp,
                            micro_batch_size=args.micro_batch, max_corpus_bytes=2_000_000)
     trainer.fit(LlamaLM(model=args.model, warmup_steps=2), datamodule=data)
-    result = {"step_times": [b - a for a, b in zip(clock.times, clock.times[1:])]}
+    u = clock.usage
+    result = {"step_times": [b - a for a, b in zip(clock.times, clock.times[1:])],
+              "step_user_s": [b[0] - a[0] for a, b in zip(u, u[1:])],
+              "step_system_s": [b[1] - a[1] for a, b in zip(u, u[1:])],
+              "step_minor_faults": [b[2] - a[2] for a, b in zip(u, u[1:])],
+              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     del trainer, strategy
     finish_rank(args.out, result)
 

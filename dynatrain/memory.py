@@ -5,6 +5,11 @@ engine allocates new shards, so it runs full collections. A full collection scan
 imports of torch, Lightning and W&B leave about 420,000 of them: 0.2 s per collection on a 2-core machine, three
 or four times per world change. Those objects live as long as the process, so they are moved out of the
 collector's sight once (``gc.freeze``); collections then scan only what training created.
+
+A training process on CPU also pays for how glibc's malloc serves PyTorch's large blocks (`heap_env`): without the
+settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a gigabyte) and spends 38 % of its CPU
+time in the kernel (`bench/heap.py`). A process dynatrain starts (its launchers, ``dynatrain fit`` and ``dynatrain
+join``) gets them in its environment; glibc reads them only at start-up.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import sys
+from collections.abc import Mapping
 
 FREEZE_ENV = "DYNATRAIN_GC_FREEZE"  # "0" keeps every object visible to the collector
 
@@ -19,6 +26,42 @@ try:
     _malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc
 except (OSError, AttributeError):
     _malloc_trim = None
+
+
+HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse" (the default) or "default": leave glibc's malloc as it is
+TUNABLES_ENV = "GLIBC_TUNABLES"
+# glibc maps every block above its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each step
+# faults in its gathered parameters and gradients again. Instead every block comes from the heap, and the heap keeps
+# what is freed: glibc never trims it by itself, `release_freed_memory` decides when. PyTorch allocates aligned
+# blocks, and glibc serves one by splitting a few bytes off the front of a larger chunk. Those bytes must stay free
+# to merge with the block again when it is freed: in the per-thread cache or a fast bin they are taken by small
+# blocks, the freed block is then a little too small for the same request, and the heap grows by one block each
+# time (`tests/test_heap.py`), so both are off.
+HEAP_TUNABLES = (
+    ("glibc.malloc.mmap_max", "0"),
+    ("glibc.malloc.trim_threshold", str(1 << 40)),
+    ("glibc.malloc.tcache_count", "0"),
+    ("glibc.malloc.mxfast", "0"),
+)
+
+
+def heap_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a training process about to start, with `HEAP_TUNABLES` added to ``GLIBC_TUNABLES``. A
+    ``glibc.malloc`` setting ``env`` already has is kept; ``DYNATRAIN_HEAP=default`` adds nothing. Other C
+    libraries than glibc ignore the variable."""
+    out = dict(env)
+    choice = out.get(HEAP_ENV, "reuse")
+    if choice not in ("reuse", "default"):
+        raise ValueError(f"{HEAP_ENV}={choice!r}: use 'reuse' (serve PyTorch's blocks from a heap that keeps them) "
+                         f"or 'default' (glibc's own settings)")
+    if choice == "default" or not sys.platform.startswith("linux"):
+        return out
+    current = [t for t in out.get(TUNABLES_ENV, "").split(":") if t]
+    named = {t.split("=", 1)[0] for t in current}
+    added = [f"{k}={v}" for k, v in HEAP_TUNABLES if k not in named]
+    if added:
+        out[TUNABLES_ENV] = ":".join(current + added)
+    return out
 
 
 def freeze_import_time_objects() -> int:

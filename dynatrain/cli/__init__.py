@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 OWN_COMMANDS = ("join", "plan", "scale", "selfcheck")  # each a module of dynatrain.cli with add_parser(subparsers)
+TRAINING_COMMANDS = (*LIGHTNING_COMMANDS, "join")
 
 
 def _own_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -27,7 +29,27 @@ def _own_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _restart_with_heap_settings(argv: list[str]) -> None:
+    """Start this command over in the same process with the heap settings of `memory.heap_env` when it was started
+    without them: glibc reads them only at start-up, and every process the command starts inherits them."""
+    from dynatrain.memory import heap_env
+
+    env = heap_env(os.environ)
+    if env != dict(os.environ):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "dynatrain.cli", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; run as the program (``argv`` None), a training command first restarts itself with the
+    heap settings if it lacks them."""
+    if argv is None and sys.argv[1:2] and sys.argv[1] in TRAINING_COMMANDS:
+        try:
+            _restart_with_heap_settings(sys.argv[1:])
+        except ValueError as e:
+            print(f"dynatrain {sys.argv[1]}: error: {e}", file=sys.stderr)
+            return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in LIGHTNING_COMMANDS:
         from dynatrain.cli.quiet import take_verbose_flag

@@ -1,0 +1,114 @@
+"""The heap settings every training process dynatrain starts gets (`dynatrain.memory.heap_env`)."""
+
+import json
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dynatrain.launcher import joiner_env, rank_env
+from dynatrain.memory import HEAP_ENV, HEAP_TUNABLES, TUNABLES_ENV, heap_env
+
+OURS = [f"{k}={v}" for k, v in HEAP_TUNABLES]
+GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+
+@pytest.fixture(autouse=True)
+def _plain_environment(monkeypatch):
+    monkeypatch.delenv(TUNABLES_ENV, raising=False)
+    monkeypatch.delenv(HEAP_ENV, raising=False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is read on Linux only")
+def test_the_settings_are_added_and_a_users_own_are_kept():
+    assert heap_env({"A": "1"}) == {"A": "1", TUNABLES_ENV: ":".join(OURS)}
+    mine = "glibc.malloc.trim_threshold=4096:glibc.pthread.rseq=0"
+    got = heap_env({TUNABLES_ENV: mine})[TUNABLES_ENV].split(":")
+    assert got[:2] == mine.split(":")
+    assert [t for t in got if t.startswith("glibc.malloc.trim_threshold")] == ["glibc.malloc.trim_threshold=4096"]
+    assert set(got) == set(mine.split(":")) | {t for t in OURS if not t.startswith("glibc.malloc.trim_threshold")}
+    assert heap_env(heap_env({})) == heap_env({})  # a process started with them adds nothing
+
+
+def test_default_leaves_the_environment_alone_and_a_typo_is_refused():
+    assert heap_env({HEAP_ENV: "default", "A": "1"}) == {HEAP_ENV: "default", "A": "1"}
+    with pytest.raises(ValueError, match=r"DYNATRAIN_HEAP='reus'.*'reuse'.*'default'"):
+        heap_env({HEAP_ENV: "reus"})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is read on Linux only")
+def test_the_launchers_start_ranks_and_joiners_with_them(monkeypatch):
+    for env in (rank_env(1, 2, 29500), joiner_env({}, 3)):
+        assert env[TUNABLES_ENV].split(":") == OURS
+    monkeypatch.setenv(HEAP_ENV, "default")
+    assert TUNABLES_ENV not in rank_env(1, 2, 29500) and TUNABLES_ENV not in joiner_env({}, 3)
+
+
+def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
+    import dynatrain.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda exe, argv, env: calls.append((argv, env)))
+    import dynatrain.cli.train as train
+
+    monkeypatch.setattr(train, "run_lightning_cli", lambda argv: 0)
+    monkeypatch.setattr(sys, "argv", ["dynatrain", "fit", "--config", "x.yaml"])
+    assert cli.main() == 0
+    [(argv, env)] = calls
+    assert argv == [sys.executable, "-m", "dynatrain.cli", "fit", "--config", "x.yaml"]
+    assert env == heap_env(dict(cli.os.environ))
+    if sys.platform.startswith("linux"):
+        assert env[TUNABLES_ENV].split(":") == OURS
+        # Started over with them, it runs on.
+        calls.clear()
+        monkeypatch.setenv(TUNABLES_ENV, env[TUNABLES_ENV])
+        assert cli.main() == 0 and calls == []
+    # Called as a function, or for a command that trains nothing, it never replaces the process.
+    monkeypatch.delenv(TUNABLES_ENV)
+    assert cli.main(["fit", "--config", "x.yaml"]) == 0 and calls == []
+    monkeypatch.setattr(sys, "argv", ["dynatrain", "plan", "--help"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert calls == []
+    monkeypatch.setenv(HEAP_ENV, "none")
+    monkeypatch.setattr(sys, "argv", ["dynatrain", "join"])
+    assert cli.main() == 2 and calls == []
+
+
+PROBE = textwrap.dedent("""
+    import json, resource, torch
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096
+    faults, sizes, keep = [], [], []
+    for _ in range(12):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        x = torch.empty(16 * 2**20)  # 64 MiB, written in full: a gathered weight or a gradient
+        x.fill_(1.0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        keep.append(torch.empty(10))  # small blocks taken in between, as a step takes them
+        del x
+        sizes.append(rss())
+    print(json.dumps({"faults": faults, "rss": sizes}))
+""")
+
+
+def _probe(env) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
+@pytest.mark.parametrize("threads", ["1", "2"])  # with two, the cache off alone let the heap grow
+def test_with_them_a_freed_block_is_reused_and_the_heap_stays_flat(threads):
+    import os
+
+    pages = 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+    plain = _probe({**os.environ, HEAP_ENV: "default", "OMP_NUM_THREADS": threads})
+    ours = _probe({**rank_env(0, 1, 29500), "OMP_NUM_THREADS": threads})
+    # glibc's defaults map a block this large afresh every time; with the settings only the first time.
+    assert min(plain["faults"][2:]) > pages // 2, plain
+    assert max(ours["faults"][2:]) < pages // 20, ours
+    assert ours["rss"][-1] - ours["rss"][1] < 8 * 2**20, ours
