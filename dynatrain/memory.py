@@ -8,8 +8,10 @@ collector's sight once (``gc.freeze``); collections then scan only what training
 
 A training process on CPU also pays for how glibc's malloc serves PyTorch's large blocks (`heap_env`): without the
 settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a gigabyte) and spends 38 % of its CPU
-time in the kernel (`bench/heap.py`). A process dynatrain starts (its launchers, ``dynatrain fit`` and ``dynatrain
-join``) gets them in its environment; glibc reads them only at start-up.
+time in the kernel (`bench/heap.py`). With ``DYNATRAIN_HEAP=reuse``, a process dynatrain starts (its launchers,
+``dynatrain fit`` and ``dynatrain join``) gets them in its environment; glibc reads them only at start-up. They are
+not on by default: in one run of the test suite with them on, a rank died without a trace, and the cause is not
+known.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ except (OSError, AttributeError):
     _malloc_trim = None
 
 
-HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse" (the default) or "default": leave glibc's malloc as it is
+HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse": the settings below; "default" (the default): glibc's malloc as it is
 TUNABLES_ENV = "GLIBC_TUNABLES"
 # glibc maps every block above its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each step
 # faults in its gathered parameters and gradients again. Instead every block comes from the heap, and the heap keeps
@@ -46,11 +48,11 @@ HEAP_TUNABLES = (
 
 
 def heap_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for a training process about to start, with `HEAP_TUNABLES` added to ``GLIBC_TUNABLES``. A
-    ``glibc.malloc`` setting ``env`` already has is kept; ``DYNATRAIN_HEAP=default`` adds nothing. Other C
+    """``env`` for a training process about to start: with ``DYNATRAIN_HEAP=reuse``, `HEAP_TUNABLES` added to
+    ``GLIBC_TUNABLES`` (a ``glibc.malloc`` setting ``env`` already has is kept); otherwise ``env`` as it is. Other C
     libraries than glibc ignore the variable."""
     out = dict(env)
-    choice = out.get(HEAP_ENV, "reuse")
+    choice = out.get(HEAP_ENV, "default")
     if choice not in ("reuse", "default"):
         raise ValueError(f"{HEAP_ENV}={choice!r}: use 'reuse' (serve PyTorch's blocks from a heap that keeps them) "
                          f"or 'default' (glibc's own settings)")

@@ -1,4 +1,5 @@
-"""The heap settings every training process dynatrain starts gets (`dynatrain.memory.heap_env`)."""
+"""The heap settings a training process dynatrain starts gets with ``DYNATRAIN_HEAP=reuse``
+(`dynatrain.memory.heap_env`)."""
 
 import json
 import platform
@@ -23,16 +24,18 @@ def _plain_environment(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is read on Linux only")
 def test_the_settings_are_added_and_a_users_own_are_kept():
-    assert heap_env({"A": "1"}) == {"A": "1", TUNABLES_ENV: ":".join(OURS)}
+    on = {HEAP_ENV: "reuse"}
+    assert heap_env({"A": "1", **on}) == {"A": "1", **on, TUNABLES_ENV: ":".join(OURS)}
     mine = "glibc.malloc.trim_threshold=4096:glibc.pthread.rseq=0"
-    got = heap_env({TUNABLES_ENV: mine})[TUNABLES_ENV].split(":")
+    got = heap_env({TUNABLES_ENV: mine, **on})[TUNABLES_ENV].split(":")
     assert got[:2] == mine.split(":")
     assert [t for t in got if t.startswith("glibc.malloc.trim_threshold")] == ["glibc.malloc.trim_threshold=4096"]
     assert set(got) == set(mine.split(":")) | {t for t in OURS if not t.startswith("glibc.malloc.trim_threshold")}
-    assert heap_env(heap_env({})) == heap_env({})  # a process started with them adds nothing
+    assert heap_env(heap_env(on)) == heap_env(on)  # a process started with them adds nothing
 
 
 def test_default_leaves_the_environment_alone_and_a_typo_is_refused():
+    assert heap_env({"A": "1"}) == {"A": "1"}
     assert heap_env({HEAP_ENV: "default", "A": "1"}) == {HEAP_ENV: "default", "A": "1"}
     with pytest.raises(ValueError, match=r"DYNATRAIN_HEAP='reus'.*'reuse'.*'default'"):
         heap_env({HEAP_ENV: "reus"})
@@ -40,10 +43,10 @@ def test_default_leaves_the_environment_alone_and_a_typo_is_refused():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is read on Linux only")
 def test_the_launchers_start_ranks_and_joiners_with_them(monkeypatch):
+    assert TUNABLES_ENV not in rank_env(1, 2, 29500) and TUNABLES_ENV not in joiner_env({}, 3)
+    monkeypatch.setenv(HEAP_ENV, "reuse")
     for env in (rank_env(1, 2, 29500), joiner_env({}, 3)):
         assert env[TUNABLES_ENV].split(":") == OURS
-    monkeypatch.setenv(HEAP_ENV, "default")
-    assert TUNABLES_ENV not in rank_env(1, 2, 29500) and TUNABLES_ENV not in joiner_env({}, 3)
 
 
 def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
@@ -55,6 +58,8 @@ def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
 
     monkeypatch.setattr(train, "run_lightning_cli", lambda argv: 0)
     monkeypatch.setattr(sys, "argv", ["dynatrain", "fit", "--config", "x.yaml"])
+    assert cli.main() == 0 and calls == []  # off by default
+    monkeypatch.setenv(HEAP_ENV, "reuse")
     assert cli.main() == 0
     [(argv, env)] = calls
     assert argv == [sys.executable, "-m", "dynatrain.cli", "fit", "--config", "x.yaml"]
@@ -66,7 +71,7 @@ def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
         monkeypatch.setenv(TUNABLES_ENV, env[TUNABLES_ENV])
         assert cli.main() == 0 and calls == []
     # Called as a function, or for a command that trains nothing, it never replaces the process.
-    monkeypatch.delenv(TUNABLES_ENV)
+    monkeypatch.delenv(TUNABLES_ENV, raising=False)
     assert cli.main(["fit", "--config", "x.yaml"]) == 0 and calls == []
     monkeypatch.setattr(sys, "argv", ["dynatrain", "plan", "--help"])
     with pytest.raises(SystemExit):
@@ -107,7 +112,7 @@ def test_with_them_a_freed_block_is_reused_and_the_heap_stays_flat(threads):
 
     pages = 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
     plain = _probe({**os.environ, HEAP_ENV: "default", "OMP_NUM_THREADS": threads})
-    ours = _probe({**rank_env(0, 1, 29500), "OMP_NUM_THREADS": threads})
+    ours = _probe({**heap_env({**os.environ, HEAP_ENV: "reuse"}), "OMP_NUM_THREADS": threads})
     # glibc's defaults map a block this large afresh every time; with the settings only the first time.
     assert min(plain["faults"][2:]) > pages // 2, plain
     assert max(ours["faults"][2:]) < pages // 20, ours
