@@ -55,6 +55,19 @@ def test_layout_comes_from_the_strategy_then_the_world(make_dm):
         dm.setup("fit")
 
 
+def test_batches_are_pinned_only_for_a_cuda_trainer(make_dm, monkeypatch):
+    # On a GPU host, a CPU rank that pinned its batches would start a CUDA context of its own.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dm = make_dm()
+    dm.trainer = fake_trainer(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    dm.setup("fit")
+    assert dm.train_dataloader().pin_memory is False
+    dm.trainer = fake_trainer(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert dm.train_dataloader().pin_memory is True
+    dm.trainer = None  # no trainer: pinned where CUDA is visible
+    assert dm.train_dataloader().pin_memory is True
+
+
 def test_accumulation_and_bad_arguments(make_dm, tmp_path):
     dm = make_dm(global_batch_size=24)
     assert [dm.accumulation_for(d) for d in (1, 2, 3, 4)] == [12, 6, 4, 3]

@@ -13,7 +13,7 @@ import pytest
 
 from dynatrain.elastic import store as store_mod
 from dynatrain.elastic.world import (
-    RegistrationError, WorldChange, plan_union_then_target, register, registered, set_job_info,
+    RegistrationError, WorldChange, default_backend, plan_union_then_target, register, registered, set_job_info,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +59,13 @@ def _wait(procs: dict, timeout: float) -> dict:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     return {m: json.loads(out.read_text()) for m, (_, out, _) in procs.items()}
+
+
+def test_a_world_formed_on_a_gpu_host_still_takes_cpu_tensors(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert default_backend() == "gloo"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert default_backend() == "cpu:gloo,cuda:nccl"  # NCCL alone refuses CPU tensors
 
 
 def test_union_then_target_plans():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import logging
@@ -232,6 +233,18 @@ def test_scale_cli_against_a_live_server(control, capsys, monkeypatch):
     assert dynatrain_main(["scale", "--endpoint", server.endpoint, "--devices", "9"]) == 1
     assert "max_devices" in json.loads(capsys.readouterr().out)["reason"]
     assert hub.poll() is None
+
+
+def test_every_new_token_passes_as_the_scale_commands_argument(tmp_path):
+    # One token in 64 began with '-' before: `--token -Xyz` is an option to argparse, and the command exited 2.
+    from dynatrain.callbacks.rescale_options import new_token, read_or_create_token
+    from dynatrain.cli.scale import configure
+
+    parser = configure(argparse.ArgumentParser())
+    tokens = [new_token() for _ in range(2000)] + [read_or_create_token(tmp_path / "token")]
+    for token in tokens:
+        assert parser.parse_args(["--endpoint", "127.0.0.1:1", "--token", token, "--devices", "2"]).token == token
+    assert len(set(tokens)) == len(tokens) and min(map(len, tokens)) >= 32
 
 
 def test_scale_cli_errors(capsys, monkeypatch):

@@ -45,6 +45,12 @@ def signal_number(value: int | str) -> signal.Signals:
     return signal.Signals(value)
 
 
+def new_token() -> str:
+    """192 random bits in hex: a token that began with '-' (URL-safe base64 does, once in 64) would be read by
+    ``dynatrain scale --token TOKEN`` as an option, and the command would exit with a usage error."""
+    return secrets.token_hex(24)
+
+
 def read_or_create_token(path: Path, fresh: bool = False) -> str:
     """The token in ``path``; a new random one written there (owner-only) when missing or ``fresh``."""
     if path.exists() and not fresh:
@@ -52,7 +58,7 @@ def read_or_create_token(path: Path, fresh: bool = False) -> str:
         if not token:
             raise ValueError(f"token file {path} is empty")
         return token
-    token = secrets.token_urlsafe(24)
+    token = new_token()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

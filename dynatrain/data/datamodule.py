@@ -236,9 +236,14 @@ class LlamaDataModule(pl.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=self._pin_memory(),
             drop_last=False,
         )
+
+    def _pin_memory(self) -> bool:
+        """Page-locked batches only for a CUDA trainer: on a GPU host, CPU ranks would each start a CUDA context."""
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return torch.cuda.is_available() if device is None else device.type == "cuda"
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -101,8 +101,11 @@ def initial_member(rank: int) -> str:
 
 
 class ElasticManager:
-    def __init__(self, config: ElasticConfig) -> None:
+    def __init__(self, config: ElasticConfig, backend: str | None = None) -> None:
+        """``backend``: of every generation's process group; by default NCCL where CUDA is visible, else gloo. A
+        strategy passes its own (Lightning's choice for its device), so CPU ranks on a GPU host form gloo groups."""
         self.config = config
+        self.backend = backend
         endpoint = config.endpoint or os.environ.get(ENDPOINT_ENV)
         token = config.token or os.environ.get(TOKEN_ENV)
         if not endpoint or not token:
@@ -157,7 +160,7 @@ class ElasticManager:
         register(self.store, self.member_id, info)
         self._start_heartbeat()
         members = [initial_member(r) for r in range(world_size)]
-        self.world = WorldGeneration.join(self.store, 0, self.member_id, members, self.config.timeout)
+        self.world = WorldGeneration.join(self.store, 0, self.member_id, members, self.config.timeout, self.backend)
         return self.world
 
     def register_joiner(self, info: dict) -> str:
@@ -245,7 +248,7 @@ class ElasticManager:
         """The survivors' generation, after the broken one was left."""
         assert self.world is not None
         self.world = WorldGeneration.join(self.store, self.world.generation + 1, self.member_id, members,
-                                          self.config.timeout)
+                                          self.config.timeout, self.backend)
         return self.world
 
     def await_admission(self, on_wait: Callable[[float], None] | None = None) -> tuple[WorldChange, dict]:
@@ -272,7 +275,7 @@ class ElasticManager:
         from dynatrain.elastic.world import run_world_change
 
         world = run_world_change(t, store=self.store, member_id=self.member_id, transfer=transfer,
-                                 timeout=self.config.timeout)
+                                 timeout=self.config.timeout, backend=self.backend)
         if world is None:
             raise RuntimeError(f"joiner {self.member_id} was admitted to a world change that does not keep it")
         self.world = world

@@ -32,7 +32,8 @@ MATCH_FIELDS = ("model_config_hash", "code_version")
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo, and NCCL for CUDA tensors where CUDA is visible: CPU tensors stay legal on a GPU host."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _members(members: Iterable[str]) -> tuple[str, ...]:

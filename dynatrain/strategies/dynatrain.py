@@ -223,7 +223,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self.accelerator.setup_device(self.root_device)  # what Strategy.setup_environment does
         self._device = self.root_device
         self._process_group_backend = self._get_process_group_backend()
-        self.elastic = ElasticManager(self.elastic_config)
+        self.elastic = ElasticManager(self.elastic_config, self._process_group_backend)
         if self.elastic.joining:
             self.local_only = True
             trainer = self.lightning_module.trainer

@@ -40,12 +40,22 @@ def _fake_group(rank: int, size: int, device_type: str, registered: list[Process
     return pg
 
 
+def _flattened_layout(layout):
+    """The one-dimensional layout of a sub-mesh, as ``DeviceMesh._flatten`` makes it without forming its group.
+    torch 2.13 keeps a mesh layout as a sequence of axes and collapses them; torch 2.11 coalesces one CuTe layout and
+    nests it when more than one mode is left."""
+    if hasattr(layout, "collapse"):
+        from torch.distributed._mesh_layout import _MeshLayout
+
+        return _MeshLayout([layout.collapse()])
+    flat = layout.coalesce()
+    return flat.nest() if len(flat) > 1 else flat
+
+
 @contextmanager
 def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu", stage: int = 0):
     """The root mesh of ``pcfg`` (with its flattened names) whose groups send nothing, with this process on pipeline
     stage ``stage``; its groups are forgotten on exit."""
-    from torch.distributed._mesh_layout import _MeshLayout
-
     me = dist.get_rank()
     # Ranks no real process has: a DeviceMesh compares equal to another with the same ranks and shape whatever its
     # groups, and DTensor's sharding cache would hand the real mesh's operations this probe's (unregistered) groups.
@@ -60,7 +70,7 @@ def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu", stage: int = 0):
         mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=pcfg.mesh_dim_names)
         for name, dims in pcfg.flattened_dims().items():
             sub = mesh[dims]
-            flat = DeviceMesh(mesh._device_type, _layout=_MeshLayout([sub._layout.collapse()]),
+            flat = DeviceMesh(mesh._device_type, _layout=_flattened_layout(sub._layout),
                               _rank_map=mesh._rank_map, mesh_dim_names=(name,), _root_mesh=mesh, _init_backend=False)
             group = _fake_group(0, sub.size(), device_type, registered)
             flat._dim_group_names = [group.group_name]
