@@ -255,6 +255,9 @@ def write(args, order: list[str], done: int, t_start: float, summary: list[dict]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
         "command": "python " + " ".join(sys.argv), "args": vars(args), "order": order, "trials_done": done,
+        # The settings every rank starts with (the launchers add the heap's from DYNATRAIN_HEAP).
+        "env": {k: os.environ[k] for k in ("DYNATRAIN_HEAP", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "PYTHONPATH")
+                if k in os.environ},
         "wall_s": time.time() - t_start, "summary": summary, "trials": raw}, indent=1))
 
 

@@ -10,8 +10,8 @@ A training process on CPU also pays for how glibc's malloc serves PyTorch's larg
 settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a gigabyte) and spends 38 % of its CPU
 time in the kernel (`bench/heap.py`). With ``DYNATRAIN_HEAP=reuse``, a process dynatrain starts (its launchers,
 ``dynatrain fit`` and ``dynatrain join``) gets them in its environment; glibc reads them only at start-up. They are
-not on by default: in one run of the test suite with them on, a rank died without a trace, and the cause is not
-known.
+not on by default: a fresh process maps the pages of its heap more slowly than freshly mapped blocks, which a
+joiner's first transfer pays for.
 """
 
 from __future__ import annotations

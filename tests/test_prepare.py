@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.configs import get_model_config
 from dynatrain.strategies.prepare import (
     INTENT_KEY,
@@ -114,6 +115,43 @@ def test_a_joiner_plans_from_the_published_intent_and_uses_it_only_for_the_same_
     assert plan.new.rank_map == direct.new.rank_map and plan.bytes_moved == direct.bytes_moved
     assert old_layout.config.short() == "dp_shard=2"
     assert joiner.plan_for({**payload, "budget": payload["budget"] // 2}) is None  # other inputs: plan again
+
+
+def test_a_waiting_joiner_allocates_its_shards_once_planned_and_hands_them_over_only_if_they_fit(specs):
+    store = DictStore()
+    joiner = _planned_joiner(specs, store, "cpu")
+    assert joiner.ahead is None  # planned, allocated at the next poll
+    joiner.poll(2.0)
+    intent = json.loads(store.get(INTENT_KEY))
+    plan, _ = plan_from_payload(intent)
+    me = intent["joiners"][1]
+    want = {n: tuple(sh) for n, (sh, _) in expected_destinations(plan, me).items()}
+    assert want and {n: tuple(t.shape) for n, t in joiner.ahead.items()} == want
+    held = joiner.ahead
+    got = joiner.destinations_for(plan, me)
+    assert got is held and all(got[n] is held[n] for n in want)
+    assert joiner.destinations_for(plan, me) is None  # handed over once
+
+    joiner = _planned_joiner(specs, DictStore(), "cpu")  # planned dp_shard=4, admitted to a three-process world
+    joiner.poll(2.0)
+    assert joiner.ahead
+    three = plan_world_change(inputs(specs, None, target="dp_shard=3")).plan
+    assert joiner.destinations_for(three, 2) is None and joiner.ahead == {}
+
+    idle = _planned_joiner(specs, DictStore(), None)  # without a device nothing is allocated
+    idle.poll(2.0)
+    assert idle.ahead is None
+
+
+def _planned_joiner(specs, store, device) -> JoinerPrep:
+    """A joiner that has read and planned a published dp_shard=2 -> 4 intent."""
+    prep = MemberPrep(inputs(specs, None))
+    prep.plan()
+    prep.publish(store)
+    joiner = JoinerPrep(store, device)
+    joiner.poll(1.0)
+    joiner.prepared.result()
+    return joiner
 
 
 def test_a_failed_background_plan_is_not_published_and_raises_where_the_switch_uses_it(specs):

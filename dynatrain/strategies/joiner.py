@@ -51,12 +51,13 @@ class JoinState:
 class _Receive:
     """The joiner's part of the members' transfer: it sends nothing and keeps what it received."""
 
-    def __init__(self, plan: SwitchPlan, me: int, union: list[str], device: torch.device) -> None:
+    def __init__(self, plan: SwitchPlan, me: int, union: list[str], device: torch.device,
+                 ready: dict[str, torch.Tensor] | None = None) -> None:
         self.plan, self.me, self.union, self.device = plan, me, union, device
         self.dst: dict[str, torch.Tensor] | None = None
         # A joiner holds no sources, so its destinations fit its memory bound now: allocated (and on CPU mapped)
-        # before the members' transfer starts instead of while their bytes arrive.
-        self.ready = engine.allocate_destinations(plan, me, device)
+        # before the members' transfer starts instead of while their bytes arrive, if not while it waited.
+        self.ready = ready if ready is not None else engine.allocate_destinations(plan, me, device)
 
     def __call__(self, world) -> dict[str, torch.Tensor]:
         ready, self.ready = self.ready, {}
@@ -73,12 +74,12 @@ def join(switcher: "Switcher") -> None:
     manager = strategy.elastic
     manager.register_joiner(strategy.member_info())
     manager.mark_ready()
-    prep = JoinerPrep(manager.store)
+    prep = JoinerPrep(manager.store, strategy.root_device)
     t, payload = manager.await_admission(on_wait=prep.poll)
     plan, old_layout = prep.plan_for(payload) or plan_from_payload(payload)
     target = ParallelConfig.parse(payload["target"])
     me = payload["union"].index(manager.member_id)
-    receive = _Receive(plan, me, payload["union"], strategy.root_device)
+    receive = _Receive(plan, me, payload["union"], strategy.root_device, prep.destinations_for(plan, me))
     ahead = set(t.new) == set(t.union)  # as `WorldSwitch` decides it
     world = manager.join_world(t, None if ahead else receive)
     set_world(strategy, world.rank, world.world_size)

@@ -25,6 +25,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
+import torch
+
+from dynatrain import engine
+from dynatrain.engine import torch_dtype
+from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
 from dynatrain.strategies.join_payload import decode_specs, encode_specs
@@ -201,29 +206,62 @@ class MemberPrep:
 
 
 class JoinerPrep:
-    """A joiner's view of rank 0's intents while it waits: plans its side of the latest one."""
+    """A joiner's view of rank 0's intents while it waits: plans its side of the latest one and, once planned,
+    allocates the shards it will receive (given a device)."""
 
     POLL = 0.2  # seconds between reads of the intent
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, device: "torch.device | str | None" = None) -> None:
         self.store = store
+        self.device = device
         self._seen: str | None = None
         self._next = 0.0
         self.prepared: Background | None = None
+        self.ahead: dict[str, torch.Tensor] | None = None  # None: not tried for this intent; {}: tried, none
 
     def poll(self, now: float) -> None:
         if now < self._next:
             return
         self._next = now + self.POLL
+        self._allocate_ahead()
         if not self.store.check([INTENT_KEY]):
             return
         text = self.store.get(INTENT_KEY).decode()
         if text == self._seen:
             return
         self._seen = text
+        self.ahead = None  # another intent: the shards held for the last one are freed
         intent = json.loads(text)
         # Which joiners are admitted is not known yet, but the plan is the same for any of them.
         self.prepared = Background(intent, lambda: plan_from_payload(intent), "dynatrain-plan-next-world")
+
+    def _allocate_ahead(self) -> None:
+        """The joiner's destinations, once the intent is planned, allocated and (on CPU) mapped while it waits:
+        at admission they would be mapped inside the members' stall. Only when every joiner the intent names would
+        receive the same shapes, since which one this process becomes is known only then. A joiner holds no other
+        shards, so this is the memory it needs at admission, taken a little earlier."""
+        prepared = self.prepared
+        if self.device is None or self.ahead is not None or prepared is None or not prepared.done():
+            return
+        self.ahead = {}
+        try:
+            plan, _ = prepared.result()
+        except ValueError:
+            return
+        joiners = prepared.key.get("joiners") or []
+        shapes = {json.dumps(sorted(expected_destinations(plan, j).items())) for j in joiners}
+        if len(shapes) == 1:
+            self.ahead = engine.allocate_destinations(plan, joiners[0], self.device)
+
+    def destinations_for(self, plan: SwitchPlan, me: int) -> dict[str, torch.Tensor] | None:
+        """The destinations allocated while waiting when they are process ``me``'s in ``plan`` (handed over once),
+        else None."""
+        ahead, self.ahead = self.ahead, {}
+        want = {name: (tuple(shape), torch_dtype(dtype)) for name, (shape, dtype) in
+                expected_destinations(plan, me).items()}
+        if not ahead or {name: (tuple(t.shape), t.dtype) for name, t in ahead.items()} != want:
+            return None
+        return ahead
 
     def plan_for(self, payload: dict) -> tuple[SwitchPlan, Layout] | None:
         """The prepared plan when the switch's inputs are the intent's; None otherwise (or if it failed)."""
