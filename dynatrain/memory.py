@@ -11,7 +11,7 @@ settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a g
 time in the kernel (`bench/heap.py`). With ``DYNATRAIN_HEAP=reuse``, a process dynatrain starts (its launchers,
 ``dynatrain fit`` and ``dynatrain join``) gets them in its environment; glibc reads them only at start-up. They are
 not on by default: a fresh process maps the pages of its heap more slowly than freshly mapped blocks, which a
-joiner's first transfer pays for.
+joiner paid inside the scale-out's stall until it allocated its shards before admission.
 """
 
 from __future__ import annotations

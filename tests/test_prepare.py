@@ -143,6 +143,24 @@ def test_a_waiting_joiner_allocates_its_shards_once_planned_and_hands_them_over_
     assert idle.ahead is None
 
 
+def test_a_joiner_prepares_before_it_says_it_is_ready_when_an_intent_is_published(specs):
+    # Admission can follow the joiner's "ready" at once, before any poll while it waits.
+    store = DictStore()
+    early = JoinerPrep(store, "cpu")
+    early.prepare_now()
+    assert early.prepared is None and early.ahead is None  # nothing published: it prepares while it waits
+    prep = MemberPrep(inputs(specs, None))
+    prep.plan()
+    prep.publish(store)
+    joiner = JoinerPrep(store, "cpu")
+    joiner.prepare_now()
+    assert joiner.prepared.done() and joiner.ahead
+    held = joiner.ahead
+    joiner.poll(0.0)
+    joiner.poll(5.0)
+    assert joiner.ahead is held  # the same intent: planned and allocated once
+
+
 def _planned_joiner(specs, store, device) -> JoinerPrep:
     """A joiner that has read and planned a published dp_shard=2 -> 4 intent."""
     prep = MemberPrep(inputs(specs, None))
@@ -152,6 +170,22 @@ def _planned_joiner(specs, store, device) -> JoinerPrep:
     joiner.poll(1.0)
     joiner.prepared.result()
     return joiner
+
+
+def test_rank_zero_publishes_the_intent_from_the_plans_thread_as_soon_as_it_is_planned(specs):
+    store = DictStore()
+    prep = MemberPrep(inputs(specs, None), connect=lambda: store)
+    prep.plan()
+    assert prep.published and json.loads(store.get(INTENT_KEY)) == prep.plan().intent()
+
+    def unreachable():
+        raise ConnectionError("no store")
+
+    prep = MemberPrep(inputs(specs, None), connect=unreachable)
+    assert prep.plan().plan is not None and not prep.published  # the plan stands; the boundary publishes
+    other = DictStore()
+    prep.publish(other)
+    assert prep.published and INTENT_KEY in other.data
 
 
 def test_a_failed_background_plan_is_not_published_and_raises_where_the_switch_uses_it(specs):

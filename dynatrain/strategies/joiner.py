@@ -73,8 +73,9 @@ def join(switcher: "Switcher") -> None:
     strategy = switcher.strategy
     manager = strategy.elastic
     manager.register_joiner(strategy.member_info())
-    manager.mark_ready()
     prep = JoinerPrep(manager.store, strategy.root_device)
+    prep.prepare_now()  # the members train on meanwhile; once it is ready, they may admit it at the next boundary
+    manager.mark_ready()
     t, payload = manager.await_admission(on_wait=prep.poll)
     plan, old_layout = prep.plan_for(payload) or plan_from_payload(payload)
     target = ParallelConfig.parse(payload["target"])

@@ -172,6 +172,9 @@ class Background:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def wait(self) -> None:
+        self._thread.join()
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:
@@ -182,10 +185,24 @@ class Background:
 class MemberPrep:
     """A member's preparation of one world change: the plan, on its own thread."""
 
-    def __init__(self, inputs: ChangeInputs) -> None:
+    def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None) -> None:
+        """``connect``: on rank 0, a new connection to the job's store, to publish the intent from the plan's thread
+        as soon as it is planned; joiners that get ready before the next step boundary then prepare their side
+        before they are admitted, which can be at that boundary."""
         self.inputs = inputs
         self.published = False
-        self._plan = Background(inputs, lambda: plan_world_change(inputs), "dynatrain-plan-next-world")
+
+        def plan() -> WorldPlan:
+            world_plan = plan_world_change(inputs)
+            if connect is not None:
+                try:
+                    connect().set(INTENT_KEY, json.dumps(world_plan.intent()))
+                    self.published = True
+                except Exception:  # noqa: BLE001 - `publish` at the next boundary tries again
+                    pass
+            return world_plan
+
+        self._plan = Background(inputs, plan, "dynatrain-plan-next-world")
 
     def done(self) -> bool:
         return self._plan.done()
@@ -234,6 +251,14 @@ class JoinerPrep:
         intent = json.loads(text)
         # Which joiners are admitted is not known yet, but the plan is the same for any of them.
         self.prepared = Background(intent, lambda: plan_from_payload(intent), "dynatrain-plan-next-world")
+
+    def prepare_now(self) -> None:
+        """Plan the published intent and allocate its shards now, if one is published: a joiner does this before it
+        says it is ready, since the members may admit it at once, before its first poll while it waits."""
+        self.poll(self._next)
+        if self.prepared is not None:
+            self.prepared.wait()
+            self._allocate_ahead()
 
     def _allocate_ahead(self) -> None:
         """The joiner's destinations, once the intent is planned, allocated and (on CPU) mapped while it waits:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from dynatrain.elastic.store import connect as connect_store
 from dynatrain.engine.verify import SwitchVerificationError
 from dynatrain.strategies.capture import check_switchable
 from dynatrain.strategies.pipeline import check_pipeline_module
@@ -182,9 +183,18 @@ def _agree_on_joiners(switcher: "Switcher", p: Pending):
     return decision
 
 
+def _intent_store(switcher: "Switcher"):
+    """On rank 0, how the plan's thread connects to the store (a connection serves one thread); None elsewhere."""
+    strategy = switcher.strategy
+    if strategy.global_rank != 0:
+        return None
+    manager = strategy.elastic
+    return lambda: connect_store(manager.endpoint, manager.token, timeout=manager.config.timeout)
+
+
 def _prepare(switcher: "Switcher", p: Pending) -> None:
     """While a scale-out waits for its joiners: plan it in the background, for whichever joiners come (see
     `prepare`)."""
     inputs = change_inputs(switcher, p.target, p.leave, None)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
-        switcher.prepared = MemberPrep(inputs)
+        switcher.prepared = MemberPrep(inputs, _intent_store(switcher))
