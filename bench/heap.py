@@ -3,7 +3,7 @@
     python bench/heap.py --model 125m --repeats 3 --json bench/results/heap/steps_125m.json
 
 Runs ``--model`` under strategy="dynatrain" on ``--devices`` CPU processes, started by dynatrain's launcher once with
-its heap settings (``DYNATRAIN_HEAP=reuse``, the default) and once with glibc's own (``DYNATRAIN_HEAP=default``),
+its heap settings (``DYNATRAIN_HEAP=reuse``) and once with glibc's own (``DYNATRAIN_HEAP=default``, the default),
 taking turns (the first way alternates from one repeat to the next) so the machine's noise hits both alike. Per
 optimizer step and process: wall time, CPU seconds in user space and in the kernel, and minor page faults (pages the
 kernel mapped afresh); the first ``--warmup`` steps of each run are dropped. Per way: the median of each over every
