@@ -58,7 +58,7 @@ def one_switch(case: str, args, rank: int, world: int, way: str) -> dict:
     alloc_s = time.perf_counter() - t0
     dist.barrier()
     t0 = time.perf_counter()
-    dst, stats = run_transition(plan, rank, src, preallocated=ready)
+    dst, stats = run_transition(plan, rank, src, preallocated=ready, copy_threads=args.copy_threads)
     engine_s = time.perf_counter() - t0
     del dst, src, ready
     gc.collect()
@@ -70,7 +70,9 @@ def one_switch(case: str, args, rank: int, world: int, way: str) -> dict:
             "seconds_local": stats.seconds_local,
             "seconds_unpack": stats.seconds_unpack, "bytes_received": stats.bytes_received,
             "bytes_sent": stats.bytes_sent, "bytes_local": stats.bytes_local, "peak_bytes": stats.peak_bytes,
-            "peak_bound": stats.peak_bound, "dst_bytes": stats.dst_bytes, "rounds": stats.rounds}
+            "peak_bound": stats.peak_bound, "dst_bytes": stats.dst_bytes, "rounds": stats.rounds,
+            "seconds_pack": stats.seconds_pack, "process_threads": torch.get_num_threads(),
+            "copy_threads": stats.copy_threads}
 
 
 def main() -> None:
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--budget-mb", type=float, default=64.0)
     ap.add_argument("--ways", default="during,ahead")
+    ap.add_argument("--copy-threads", type=int, default=None)
     args = ap.parse_args()
     ways = args.ways.split(",")
     dist.init_process_group("gloo")

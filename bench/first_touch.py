@@ -53,11 +53,12 @@ def summarise(ranks: list[dict], ways: list[str]) -> list[dict]:
                             "alloc_ahead_s": spread([max(p["alloc_ahead_s"] for p in t) for t in mine]),
                             # the engine's own split, slowest process per trial: where the rest of the time goes
                             **{k: spread([max(p[k] for p in t) for t in mine])
-                               for k in ("seconds_wire", "seconds_local", "seconds_unpack")},
+                               for k in ("seconds_pack", "seconds_wire", "seconds_local", "seconds_unpack")},
                             "peak_bytes_max": max(p["peak_bytes"] for t in mine for p in t),
                             "peak_over_bound_max": max(p["peak_bytes"] / p["peak_bound"] for t in mine for p in t)}
         first = next(t for t in trials if t[0]["case"] == case)
-        row = {"case": case, "bytes_received_max": max(p["bytes_received"] for p in first), **per_way}
+        row = {"case": case, "bytes_received_max": max(p["bytes_received"] for p in first),
+               "process_threads": first[0]["process_threads"], "copy_threads": first[0]["copy_threads"], **per_way}
         base = per_way[ways[0]]["engine_s"]["median"]
         for way in ways[1:]:
             row[f"engine_{way}_over_{ways[0]}"] = per_way[way]["engine_s"]["median"] / base
@@ -100,6 +101,9 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--ways", default="during,ahead", help="comma-separated: during, ahead, every-state")
     ap.add_argument("--runs", default="same-world,scale-out", help="comma-separated: " + ", ".join(RUNS))
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of each process (OMP_NUM_THREADS)")
+    ap.add_argument("--copy-threads", type=int, default=None,
+                    help="the engine's copy threads (run_transition's copy_threads; default: its own choice)")
     args = ap.parse_args()
     ways = args.ways.split(",")
     bad = [w for w in ways if w not in ("during", "ahead", "every-state")] + \
@@ -111,9 +115,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for run in args.runs.split(","):
             cases, procs = RUNS[run]
+            copy = ["--copy-threads", str(args.copy_threads)] if args.copy_threads else []
             ranks = launch_local([WORKER, "--model", args.model, "--cases", cases, "--repeats", str(args.repeats),
-                                  "--budget-mb", str(args.budget_mb), "--ways", args.ways], procs, Path(tmp),
-                                 timeout=args.timeout, env={"OMP_NUM_THREADS": "1"}, name="first-touch")
+                                  "--budget-mb", str(args.budget_mb), "--ways", args.ways, *copy], procs, Path(tmp),
+                                 timeout=args.timeout, env={"OMP_NUM_THREADS": str(args.threads)}, name="first-touch")
             rows += summarise(ranks, ways)
             raw.append({"processes": procs, "ranks": ranks})
     print(table(rows, ways))

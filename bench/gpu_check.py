@@ -135,6 +135,9 @@ def _engine_rank(rank: int, world: int, port: int, backend: str, device_type: st
         raw_s = time.perf_counter() - t
         rows.append({"switch": f"{a} -> {b}", "bytes_sent_and_received": moved, "engine_s": engine_s, "raw_s": raw_s,
                      "bytes_zero_copy": stats.bytes_zero_copy, "peak_bytes": stats.peak_bytes,
+                     "process_threads": torch.get_num_threads(), "copy_threads": stats.copy_threads,
+                     **{k: getattr(stats, k)
+                        for k in ("seconds_pack", "seconds_wire", "seconds_local", "seconds_unpack")},
                      "engine_gib_per_s": moved / engine_s / 2**30, "raw_gib_per_s": moved / raw_s / 2**30,
                      "ratio": raw_s / engine_s})
     dist.barrier()

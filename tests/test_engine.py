@@ -12,7 +12,7 @@ import torch
 
 from _launch import launch
 from dynatrain.engine import TransitionError, allocate_destinations, run_transition, validate_sources
-from dynatrain.engine.transition import _RankTransition
+from dynatrain.engine.transition import COPY_THREADS_MAX, _RankTransition, default_copy_threads
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.groups import kept_in_place, positions
 from dynatrain.planner.schedule import plan_switch
@@ -89,6 +89,41 @@ def test_a_preallocated_tensor_that_does_not_fit_is_refused_by_name():
         run_transition(plan, 0, src(), preallocated={"w.m": torch.empty(7, 5)})
     with pytest.raises(TransitionError, match="state 'nope', which this process does not hold"):
         run_transition(plan, 0, src(), preallocated={"nope": torch.empty(1)})
+
+
+def test_the_copies_run_with_fewer_threads_and_the_count_comes_back(monkeypatch):
+    """A team that fills the process's cores stalls beside gloo's thread (docs/benchmarks.md, "Copy threads")."""
+    assert [default_copy_threads(n) for n in (1, 2, 3, 8, 16)] == [1, 1, 2, COPY_THREADS_MAX, COPY_THREADS_MAX]
+    plan = _one_process_plan()
+    seen = []
+    copy_local = _RankTransition._copy_local
+
+    def recording(self, *args):
+        seen.append(torch.get_num_threads())
+        return copy_local(self, *args)
+
+    monkeypatch.setattr(_RankTransition, "_copy_local", recording)
+    src = lambda: {s.name: fill_local(plan.old, s.name, 0, seed=8) for s in plan.old.states}  # noqa: E731
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        _, stats = run_transition(plan, 0, src(), keep_in_place=False)
+        assert seen and set(seen) == {2} and stats.copy_threads == 2 and torch.get_num_threads() == 3
+        seen.clear()
+        _, stats = run_transition(plan, 0, src(), keep_in_place=False, copy_threads=1)
+        assert set(seen) == {1} and stats.copy_threads == 1 and torch.get_num_threads() == 3
+        with pytest.raises(TransitionError, match="copy_threads=0: pass at least 1"):
+            run_transition(plan, 0, src(), copy_threads=0)
+
+        def failing(self, *args):
+            raise RuntimeError("a peer died")
+
+        monkeypatch.setattr(_RankTransition, "_copy_local", failing)
+        with pytest.raises(RuntimeError, match="a peer died"):
+            run_transition(plan, 0, src(), keep_in_place=False)
+        assert torch.get_num_threads() == 3  # restored on the way out of a failed transfer too
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_errors_name_the_bad_source():

@@ -23,6 +23,7 @@ class TransitionStats:
     staging_bytes: int = 0  # the one staging buffer
     flight_bytes: int = 0  # what a phase may hold doubled: half the budget, or this rank's largest local tensor
     peak_bytes: int = 0  # max over the switch of live sources + live destinations + staging
+    copy_threads: int | None = None  # intra-op threads of the copies (CPU only)
     seconds_pack: float = 0.0
     seconds_wire: float = 0.0  # posting and waiting (local copies run while the wire is busy)
     seconds_local: float = 0.0

@@ -29,13 +29,23 @@ also has the kernel map every page of the fresh memory, which makes a local copy
 ("First touch" in docs/benchmarks.md). A process with memory to spare, a joining one above all (it holds no
 sources), allocates them ahead with `allocate_destinations`, outside the stall, and passes them as
 ``preallocated``.
+
+On CPU the copies share the cores with gloo's thread, which moves the bytes through the socket, and with the
+other processes on the host. An OpenMP team waits at the end of each copy for its slowest thread, spinning on its
+cores meanwhile, so a team that does not fit beside the wire and the other processes' teams makes every copy wait
+for a thread that has no core. Two processes of 16 threads on 16 cores took 0.6 to 0.8 s for each of packing,
+local copies and unpacking of 74 MiB (1.3 to 1.4 s a switch); 8 threads each took 0.10 to 0.16 s in all
+(`bench/cpu_threads.sh`). The copies therefore run with `default_copy_threads` threads: one fewer than the
+process has, at most `COPY_THREADS_MAX` (memory-bound copies gain nothing from more, and the wire is slower
+than one thread's copies), and the count is restored after the transfer.
 """
 
 from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -54,6 +64,7 @@ from dynatrain.planner.schedule import SwitchPlan
 from dynatrain.vps.box import Box
 
 ALIGN = 16  # bytes: every message slot of the staging buffer starts at a multiple of this
+COPY_THREADS_MAX = 4
 
 GroupRanks = Mapping[int, int] | Sequence[int] | Callable[[int], int] | None
 
@@ -68,6 +79,7 @@ def run_transition(
     device: torch.device | str | None = None,
     keep_in_place: bool = True,
     preallocated: Mapping[str, torch.Tensor] | None = None,
+    copy_threads: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], TransitionStats]:
     """Run process ``rank``'s part of ``plan`` and return (its new local tensors, stats).
 
@@ -84,6 +96,8 @@ def run_transition(
     ``preallocated``: state name -> an empty destination allocated before the call (`allocate_destinations`),
     written in place instead of one allocated during the transfer; it counts as live from the start, so the
     memory bound is the caller's to keep. Each must have the new local shape, the dtype and the device.
+    ``copy_threads``: intra-op threads for the copies on CPU during the transfer (default `default_copy_threads`);
+    ignored on other devices.
 
     Every process of ``plan.processes`` must call this with the same plan; a process with nothing to move
     still returns (it posts nothing). Returns destinations for every state of the new layout this process
@@ -95,10 +109,40 @@ def run_transition(
     if keep_in_place:
         run.keep_in_place()
     run.adopt_preallocated(preallocated or {})
-    run.prepare()
-    for k in range(run.rp.num_rounds):
-        run.run_round(k)
+    with _intra_op_threads(run.device, copy_threads) as threads:
+        run.stats.copy_threads = threads
+        run.prepare()
+        for k in range(run.rp.num_rounds):
+            run.run_round(k)
     return run.finish(t_start)
+
+
+def default_copy_threads(process_threads: int | None = None) -> int:
+    """The intra-op threads a CPU transfer copies with: one fewer than the process's (``process_threads``, default
+    torch's current count), so that gloo's thread keeps a core of the process's share, and at most
+    `COPY_THREADS_MAX`, so that the team fits even where the processes' threads oversubscribe the host."""
+    n = torch.get_num_threads() if process_threads is None else process_threads
+    return max(1, min(n - 1, COPY_THREADS_MAX))
+
+
+@contextmanager
+def _intra_op_threads(device: torch.device, requested: int | None) -> Iterator[int | None]:
+    """Run the block with ``requested`` (default `default_copy_threads`) intra-op threads on CPU, then restore the
+    count."""
+    if device.type != "cpu":
+        yield None
+        return
+    if requested is not None and requested < 1:
+        raise TransitionError(f"copy_threads={requested}: pass at least 1, or None for the default")
+    before = torch.get_num_threads()
+    n = default_copy_threads(before) if requested is None else requested
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
 
 
 def allocate_destinations(plan: SwitchPlan, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
