@@ -18,6 +18,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from dynatrain.memory import heap_env
+from dynatrain.threads import launch_env
 
 
 # Every rank started here is a client of the store its launcher holds (torch's env:// rendezvous reads it).
@@ -38,13 +39,13 @@ def host_store():
 def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of local rank ``rank`` of ``world`` whose store its launcher hosts on ``port`` (`host_store`):
     this process's environment, then ``env``, then the rank's identity; threads split the cores unless ``env`` says
-    otherwise, and the heap keeps PyTorch's blocks (`memory.heap_env`). Every rank, rank 0 included, connects to
-    that store as a client."""
+    otherwise (and are split again at every world change, `threads`), and the heap keeps PyTorch's blocks
+    (`memory.heap_env`). Every rank, rank 0 included, connects to that store as a client."""
     full = heap_env({**os.environ, **(env or {})})
     full.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                 LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
     full[AGENT_STORE_ENV] = "True"
-    full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    full = launch_env(full, world)
     full.setdefault("WANDB_MODE", "offline")
     return full
 
@@ -55,8 +56,7 @@ def joiner_env(env: dict[str, str] | None, processes: int) -> dict[str, str]:
     unless ``env`` says otherwise, and the heap keeps PyTorch's blocks (`memory.heap_env`)."""
     from dynatrain.elastic.manager import JOIN_ENV
 
-    full = heap_env({**os.environ, **(env or {}), JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"})
-    full.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    full = launch_env(heap_env({**os.environ, **(env or {}), JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}), processes)
     full.setdefault("WANDB_MODE", "offline")
     return full
 

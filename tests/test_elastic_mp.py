@@ -2,6 +2,7 @@
 
 import pytest
 
+from dynatrain.threads import share
 from tests._launch import launch, launch_elastic
 
 pytestmark = pytest.mark.multiprocess
@@ -25,15 +26,16 @@ def static_losses(tmp_path_factory):
 
 
 @pytest.mark.timeout(420)
-def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses):
+def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monkeypatch):
     steps = STEPS
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher chooses every process's threads
     # The second joiner starts only once the members wait for it to reach dp_shard=2,tp=2 and prepare that world
     # change in the background; they train on, but not past step 7 without it.
     signal = str(tmp_path / "preparing")
     members, joiners = launch_elastic(
         "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES,
                           "--prepared-signal", f"dp_shard=2,tp=2@{signal}", "--hold-for-joiner", str(steps - 1)],
-        tmp_path / "e", joiners=[[], ["--start-after", signal]], timeout=360,
+        tmp_path / "e", joiners=[[], ["--start-after", signal]], timeout=360, threads=None,
     )
     # Ranks 2 and 3 left at the first switch, with status 0, after sending their shards.
     for m in members[2:]:
@@ -55,6 +57,12 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses):
     assert all(_close(a, b) for a, b in zip(first["losses"], ref)), (first["losses"], ref)
     # A joiner continues the same step count and loss curve.
     assert joiners[1]["losses"] and _close(joiners[1]["losses"][-1], ref[-1])
+    # The launcher chose every process's threads, so each took its share of the cores in every world it entered
+    # (the joiners started with their share among 6): 4, 2, 3 and 4 processes on this host.
+    for p in members[:2] + joiners:
+        assert (p["threads_env"], p["processes_on_host"], p["threads"]) == ("split", 4, share(4)), p
+    assert members[0]["thread_splits"] == [[n, share(n)] for n in (4, 2, 3, 4)]
+    assert [j["thread_splits"] for j in joiners] == [[[n, share(n)] for n in (3, 4)], [[4, share(4)]]]
 
 
 @pytest.mark.timeout(300)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV, initial_member
+from dynatrain.threads import launch_env
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
            "host": str, "workdir": str, "restarts": int}
@@ -169,7 +170,7 @@ class ElasticLauncher:
     def _start_member(self, rank: int, devices: int, argv: list[str]) -> None:
         env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(devices), NODE_RANK="0")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
+        env = launch_env(env, devices)
         proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
         self.procs[proc.pid] = (proc, "member")
         self.ranks[proc.pid] = rank
@@ -177,7 +178,7 @@ class ElasticLauncher:
     def _start_standby(self) -> None:
         """A process that waits to join: exactly what `dynatrain join` starts on another machine."""
         env = {k: v for k, v in self.env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = launch_env(env, 1, start=1)  # one thread while it waits; its share once admitted
         proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "join"], env=env)
         self.procs[proc.pid] = (proc, "standby")
         print(f"dynatrain elastic job: standby process {proc.pid} started", flush=True)

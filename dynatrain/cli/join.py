@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
+from dynatrain.threads import mark_if_unset
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -47,6 +48,7 @@ def run(args) -> int:
                              "dynatrain join --endpoint HOST:PORT --token-file FILE -- fit --config recipe.yaml")
         argv = json.loads(store.get(JOB_ARGV_KEY).decode())
     os.environ.update({ENDPOINT_ENV: args.endpoint, TOKEN_ENV: token, JOIN_ENV: "1"})
+    mark_if_unset()  # without OMP_NUM_THREADS, its threads become its share of the host's cores once admitted
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)  # the job gives this process its rank when it admits it
     return run_lightning_cli([*argv, "--trainer.devices", "1", "--ckpt_path", JOIN_CHECKPOINT])

@@ -25,11 +25,14 @@ from dynatrain.elastic.world import (
     WorldChange,
     WorldGeneration,
     await_admission,
+    default_backend,
     deregister,
     pending_joiners,
     register,
+    registered,
     union_then_target,
 )
+from dynatrain.threads import SPLIT, THREADS_ENV, host_name, resplit
 
 ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"
 TOKEN_ENV = "DYNATRAIN_TOKEN"
@@ -120,6 +123,7 @@ class ElasticManager:
         self.joining = os.environ.get(JOIN_ENV) == "1"
         self._beating: threading.Event | None = None
         self._joiner_beats: dict[str, tuple[int, float]] = {}  # joiner -> (last beat count, when it changed)
+        self.thread_splits: list[tuple[int, int]] = []  # per world this process entered: (processes on host, threads)
 
     def _start_heartbeat(self) -> None:
         """Beat in the store from a thread with its own connection, so a process blocked in a collective still
@@ -161,6 +165,7 @@ class ElasticManager:
         self._start_heartbeat()
         members = [initial_member(r) for r in range(world_size)]
         self.world = WorldGeneration.join(self.store, 0, self.member_id, members, self.config.timeout, self.backend)
+        self.split_threads()
         return self.world
 
     def register_joiner(self, info: dict) -> str:
@@ -206,6 +211,7 @@ class ElasticManager:
         None on a member that left."""
         assert self.world is not None
         self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout, order=order)
+        self.split_threads()
         return self.world
 
     def agree_on_survivors(self, info: dict) -> dict[str, dict]:
@@ -249,6 +255,7 @@ class ElasticManager:
         assert self.world is not None
         self.world = WorldGeneration.join(self.store, self.world.generation + 1, self.member_id, members,
                                           self.config.timeout, self.backend)
+        self.split_threads()
         return self.world
 
     def await_admission(self, on_wait: Callable[[float], None] | None = None) -> tuple[WorldChange, dict]:
@@ -279,7 +286,27 @@ class ElasticManager:
         if world is None:
             raise RuntimeError(f"joiner {self.member_id} was admitted to a world change that does not keep it")
         self.world = world
+        self.split_threads()
         return world
+
+    def processes_on_this_host(self) -> int:
+        """How many members of the current world registered this process's host (itself included)."""
+        assert self.world is not None
+        infos = registered(self.store)
+        host = infos.get(self.member_id, {}).get("host")
+        return max(1, sum(1 for m in self.world.members if host is not None and infos.get(m, {}).get("host") == host))
+
+    def split_threads(self) -> int | None:
+        """This process's share of its host's cores among the world's processes there (`threads.resplit`: only
+        where dynatrain chose the count, and only in a CPU world: on GPUs the operators do not run on these
+        threads, and the count reads every member's registration); the count set, or None. A member that left
+        has no share to take."""
+        if self.world is None or os.environ.get(THREADS_ENV) != SPLIT or "nccl" in (self.backend or default_backend()):
+            return None
+        processes = self.processes_on_this_host()
+        n = resplit(processes)
+        self.thread_splits.append((processes, n))
+        return n
 
 
 def member_info(model_config: Any, code_version: str) -> dict[str, Any]:
@@ -289,4 +316,5 @@ def member_info(model_config: Any, code_version: str) -> dict[str, Any]:
     from dynatrain.elastic.world import config_hash
 
     cfg = asdict(model_config) if is_dataclass(model_config) else model_config
-    return {"model_config_hash": config_hash(cfg), "code_version": code_version, "pid": os.getpid()}
+    return {"model_config_hash": config_hash(cfg), "code_version": code_version, "pid": os.getpid(),
+            "host": host_name()}

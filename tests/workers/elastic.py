@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import CSVLogger
 
 import dynatrain
@@ -20,6 +21,7 @@ from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import LlamaLM
+from dynatrain.threads import THREADS_ENV
 
 warnings.filterwarnings("ignore")
 
@@ -185,6 +187,11 @@ def main() -> None:
         "reports": [r.as_dict() for r in strategy.switch_reports],
         "recoveries": [r.as_dict() for r in strategy.recovery_reports],
         "member": strategy.elastic.member_id if strategy.elastic else None,
+        "threads": torch.get_num_threads(),
+        "threads_env": os.environ.get(THREADS_ENV),
+        "processes_on_host": strategy.elastic.processes_on_this_host()
+        if strategy.elastic and not strategy.detached else None,
+        "thread_splits": strategy.elastic.thread_splits if strategy.elastic else None,
         "log_dir": trainer.log_dir if logger else None,
         "warnings": [str(w.message) for w in caught],
     }
