@@ -168,7 +168,7 @@ def engine_throughput(device: torch.device, model: str, tmp: Path) -> dict:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return {"backend": backend, "tensors_on": device_type, "heap": os.environ.get(HEAP_ENV, "default"),
+    return {"backend": backend, "tensors_on": device_type, "heap": os.environ.get(HEAP_ENV, "reuse"),
             "glibc_tunables": tunables,
             "switches": json.loads(out.read_text()),
             "note": None if backend == "nccl" or device.type == "cpu" else

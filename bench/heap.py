@@ -3,7 +3,7 @@
     python bench/heap.py --model 125m --repeats 3 --json bench/results/heap/steps_125m.json
 
 Runs ``--model`` under strategy="dynatrain" on ``--devices`` CPU processes, started by dynatrain's launcher once with
-its heap settings (``DYNATRAIN_HEAP=reuse``) and once with glibc's own (``DYNATRAIN_HEAP=default``, the default),
+its heap settings (``DYNATRAIN_HEAP=reuse``, the default) and once with glibc's own (``DYNATRAIN_HEAP=glibc``),
 taking turns (the first way alternates from one repeat to the next) so the machine's noise hits both alike. Per
 optimizer step and process: wall time, CPU seconds in user space and in the kernel, and minor page faults (pages the
 kernel mapped afresh); the first ``--warmup`` steps of each run are dropped. Per way: the median of each over every
@@ -23,7 +23,7 @@ from dynatrain.launcher import launch_local
 from dynatrain.memory import HEAP_ENV
 
 HERE = Path(__file__).resolve().parent
-WAYS = ("reuse", "default")
+WAYS = ("reuse", "glibc")
 FIGURES = ("step_times", "step_user_s", "step_system_s", "step_minor_faults")
 
 
@@ -58,7 +58,7 @@ def main() -> int:
                 got[way]["runs"] += 1
     summary = {w: {f: statistics.median(v[f]) for f in FIGURES} | {"max_rss_bytes": max(v["max_rss_bytes"])}
                for w, v in got.items()}
-    ratio = {f: summary["reuse"][f] / summary["default"][f] for f in FIGURES if summary["default"][f]}
+    ratio = {f: summary["reuse"][f] / summary["glibc"][f] for f in FIGURES if summary["glibc"][f]}
     print(f"model {args.model}, {args.devices} CPU processes, seq_len {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.repeats} runs per way, {args.steps - args.warmup - 1} steps timed per run and process")
     print("| heap | median step s | user s per step | kernel s per step | minor faults per step | peak RSS MiB |")
@@ -67,11 +67,11 @@ def main() -> int:
         s = summary[w]
         print(f"| {w} | {s['step_times']:.3f} | {s['step_user_s']:.2f} | {s['step_system_s']:.2f} "
               f"| {s['step_minor_faults']:.0f} | {s['max_rss_bytes'] / 2**20:.0f} |")
-    print("reuse / default: " + ", ".join(f"{f} {r:.2f}" for f, r in ratio.items()))
+    print("reuse / glibc: " + ", ".join(f"{f} {r:.2f}" for f, r in ratio.items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
-                                               "order": order, "summary": summary, "reuse_over_default": ratio,
+                                               "order": order, "summary": summary, "reuse_over_glibc": ratio,
                                                "raw": got}, indent=1))
     return 0
 

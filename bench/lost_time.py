@@ -43,6 +43,7 @@ from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
 from dynatrain.launcher import host_store, joiner_env, launch_local, rank_env
+from dynatrain.memory import HEAP_ENV
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")
@@ -258,6 +259,7 @@ def write(args, order: list[str], done: int, t_start: float, summary: list[dict]
         # The settings every rank starts with (the launchers add the heap's from DYNATRAIN_HEAP).
         "env": {k: os.environ[k] for k in ("DYNATRAIN_HEAP", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "PYTHONPATH")
                 if k in os.environ},
+        "heap": os.environ.get(HEAP_ENV, "reuse"),  # what the launchers give the ranks (`memory.heap_env`)
         "wall_s": time.time() - t_start, "summary": summary, "trials": raw}, indent=1))
 
 

@@ -8,10 +8,11 @@ collector's sight once (``gc.freeze``); collections then scan only what training
 
 A training process on CPU also pays for how glibc's malloc serves PyTorch's large blocks (`heap_env`): without the
 settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a gigabyte) and spends 38 % of its CPU
-time in the kernel (`bench/heap.py`). With ``DYNATRAIN_HEAP=reuse``, a process dynatrain starts (its launchers,
-``dynatrain fit`` and ``dynatrain join``) gets them in its environment; glibc reads them only at start-up. They are
-not on by default: a fresh process maps the pages of its heap more slowly than freshly mapped blocks, which a
-joiner paid inside the scale-out's stall until it allocated its shards before admission.
+time in the kernel (`bench/heap.py`). So a process dynatrain starts (its launchers, ``dynatrain fit`` and
+``dynatrain join``) gets them in its environment, unless ``DYNATRAIN_HEAP=glibc`` keeps glibc's own; glibc reads
+them only at start-up. They became the default once a joiner prepared its shards before admission (a fresh
+process maps the pages of its heap more slowly than freshly mapped blocks, which lengthened the scale-out's stall
+before) and the suite passed with them on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ except (OSError, AttributeError):
     _malloc_trim = None
 
 
-HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse": the settings below; "default" (the default): glibc's malloc as it is
+HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse" (the default): the settings below; "glibc": glibc's malloc as it is
+HEAP_CHOICES = ("reuse", "glibc")
 TUNABLES_ENV = "GLIBC_TUNABLES"
 # glibc maps every block above its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each step
 # faults in its gathered parameters and gradients again. Instead every block comes from the heap, and the heap keeps
@@ -48,15 +50,17 @@ HEAP_TUNABLES = (
 
 
 def heap_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for a training process about to start: with ``DYNATRAIN_HEAP=reuse``, `HEAP_TUNABLES` added to
-    ``GLIBC_TUNABLES`` (a ``glibc.malloc`` setting ``env`` already has is kept); otherwise ``env`` as it is. Other C
-    libraries than glibc ignore the variable."""
+    """``env`` for a training process about to start: `HEAP_TUNABLES` added to ``GLIBC_TUNABLES`` (a
+    ``glibc.malloc`` setting ``env`` already has is kept), unless ``DYNATRAIN_HEAP=glibc``, which leaves ``env`` as it
+    is. Other C libraries than glibc ignore the variable."""
     out = dict(env)
-    choice = out.get(HEAP_ENV, "default")
-    if choice not in ("reuse", "default"):
-        raise ValueError(f"{HEAP_ENV}={choice!r}: use 'reuse' (serve PyTorch's blocks from a heap that keeps them) "
-                         f"or 'default' (glibc's own settings)")
-    if choice == "default" or not sys.platform.startswith("linux"):
+    choice = out.get(HEAP_ENV, "reuse")
+    if choice not in HEAP_CHOICES:
+        hint = (" ('default' named glibc's own settings while they were the default: now say 'glibc')"
+                if choice == "default" else "")
+        raise ValueError(f"{HEAP_ENV}={choice!r}: use 'reuse' (the default: serve PyTorch's blocks from a heap that "
+                         f"keeps them) or 'glibc' (glibc's own settings){hint}")
+    if choice == "glibc" or not sys.platform.startswith("linux"):
         return out
     current = [t for t in out.get(TUNABLES_ENV, "").split(":") if t]
     named = {t.split("=", 1)[0] for t in current}

@@ -1,4 +1,4 @@
-"""The heap settings a training process dynatrain starts gets with ``DYNATRAIN_HEAP=reuse``
+"""The heap settings a training process dynatrain starts gets unless ``DYNATRAIN_HEAP=glibc``
 (`dynatrain.memory.heap_env`)."""
 
 import json
@@ -34,19 +34,22 @@ def test_the_settings_are_added_and_a_users_own_are_kept():
     assert heap_env(heap_env(on)) == heap_env(on)  # a process started with them adds nothing
 
 
-def test_default_leaves_the_environment_alone_and_a_typo_is_refused():
-    assert heap_env({"A": "1"}) == {"A": "1"}
-    assert heap_env({HEAP_ENV: "default", "A": "1"}) == {HEAP_ENV: "default", "A": "1"}
-    with pytest.raises(ValueError, match=r"DYNATRAIN_HEAP='reus'.*'reuse'.*'default'"):
+def test_on_by_default_glibc_leaves_the_environment_alone_and_a_typo_is_refused():
+    if sys.platform.startswith("linux"):
+        assert heap_env({"A": "1"}) == {"A": "1", TUNABLES_ENV: ":".join(OURS)}
+    assert heap_env({HEAP_ENV: "glibc", "A": "1"}) == {HEAP_ENV: "glibc", "A": "1"}
+    with pytest.raises(ValueError, match=r"DYNATRAIN_HEAP='reus'.*'reuse'.*'glibc'"):
         heap_env({HEAP_ENV: "reus"})
+    with pytest.raises(ValueError, match=r"'default' named glibc's own settings.*now say 'glibc'"):
+        heap_env({HEAP_ENV: "default"})  # what it meant before the settings became the default
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GLIBC_TUNABLES is read on Linux only")
 def test_the_launchers_start_ranks_and_joiners_with_them(monkeypatch):
-    assert TUNABLES_ENV not in rank_env(1, 2, 29500) and TUNABLES_ENV not in joiner_env({}, 3)
-    monkeypatch.setenv(HEAP_ENV, "reuse")
     for env in (rank_env(1, 2, 29500), joiner_env({}, 3)):
         assert env[TUNABLES_ENV].split(":") == OURS
+    monkeypatch.setenv(HEAP_ENV, "glibc")
+    assert TUNABLES_ENV not in rank_env(1, 2, 29500) and TUNABLES_ENV not in joiner_env({}, 3)
 
 
 def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
@@ -58,8 +61,9 @@ def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
 
     monkeypatch.setattr(train, "run_lightning_cli", lambda argv: 0)
     monkeypatch.setattr(sys, "argv", ["dynatrain", "fit", "--config", "x.yaml"])
-    assert cli.main() == 0 and calls == []  # off by default
-    monkeypatch.setenv(HEAP_ENV, "reuse")
+    monkeypatch.setenv(HEAP_ENV, "glibc")
+    assert cli.main() == 0 and calls == []  # glibc's own: nothing to restart for
+    monkeypatch.delenv(HEAP_ENV)  # the default
     assert cli.main() == 0
     [(argv, env)] = calls
     assert argv == [sys.executable, "-m", "dynatrain.cli", "fit", "--config", "x.yaml"]
@@ -111,7 +115,7 @@ def test_with_them_a_freed_block_is_reused_and_the_heap_stays_flat(threads):
     import os
 
     pages = 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
-    plain = _probe({**os.environ, HEAP_ENV: "default", "OMP_NUM_THREADS": threads})
+    plain = _probe({**os.environ, HEAP_ENV: "glibc", "OMP_NUM_THREADS": threads})
     ours = _probe({**heap_env({**os.environ, HEAP_ENV: "reuse"}), "OMP_NUM_THREADS": threads})
     # glibc's defaults map a block this large afresh every time; with the settings only the first time.
     assert min(plain["faults"][2:]) > pages // 2, plain
