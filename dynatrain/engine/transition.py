@@ -36,8 +36,8 @@ cores meanwhile, so a team that does not fit beside the wire and the other proce
 for a thread that has no core. Two processes of 16 threads on 16 cores took 0.6 to 0.8 s for each of packing,
 local copies and unpacking of 74 MiB (1.3 to 1.4 s a switch); 8 threads each took 0.10 to 0.16 s in all
 (`bench/cpu_threads.sh`). The copies therefore run with `default_copy_threads` threads: one fewer than the
-process has, at most `COPY_THREADS_MAX` (memory-bound copies gain nothing from more, and the wire is slower
-than one thread's copies), and the count is restored after the transfer.
+process has, at most `COPY_THREADS_MAX` (on 16 cores, 2 to 7 copy threads took the same time), and the count is
+restored after the transfer.
 """
 
 from __future__ import annotations
