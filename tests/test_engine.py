@@ -12,7 +12,8 @@ import torch
 
 from _launch import launch
 from dynatrain.engine import TransitionError, allocate_destinations, run_transition, validate_sources
-from dynatrain.engine.transition import COPY_THREADS_MAX, _RankTransition, default_copy_threads
+from dynatrain.engine.copy_threads import COPY_THREADS_MAX, default_copy_threads
+from dynatrain.engine.transition import _RankTransition
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.groups import kept_in_place, positions
 from dynatrain.planner.schedule import plan_switch

@@ -30,22 +30,14 @@ also has the kernel map every page of the fresh memory, which makes a local copy
 sources), allocates them ahead with `allocate_destinations`, outside the stall, and passes them as
 ``preallocated``.
 
-On CPU the copies share the cores with gloo's thread, which moves the bytes through the socket, and with the
-other processes on the host. An OpenMP team waits at the end of each copy for its slowest thread, spinning on its
-cores meanwhile, so a team that does not fit beside the wire and the other processes' teams makes every copy wait
-for a thread that has no core. Two processes of 16 threads on 16 cores took 0.6 to 0.8 s for each of packing,
-local copies and unpacking of 74 MiB (1.3 to 1.4 s a switch); 8 threads each took 0.10 to 0.16 s in all
-(`bench/cpu_threads.sh`). The copies therefore run with `default_copy_threads` threads: one fewer than the
-process has, at most `COPY_THREADS_MAX` (on 16 cores, 2 to 7 copy threads took the same time), and the count is
-restored after the transfer.
+On CPU the copies run with fewer intra-op threads than the process has (`engine.copy_threads`).
 """
 
 from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,6 +49,7 @@ from dynatrain.engine.checks import (
     torch_dtype,
     validate_sources,
 )
+from dynatrain.engine.copy_threads import intra_op_threads
 from dynatrain.engine.stats import LiveBytes, TransitionStats
 from dynatrain.engine.wire import WireOp, split_message
 from dynatrain.planner.routing import Transfer
@@ -64,7 +57,6 @@ from dynatrain.planner.schedule import SwitchPlan
 from dynatrain.vps.box import Box
 
 ALIGN = 16  # bytes: every message slot of the staging buffer starts at a multiple of this
-COPY_THREADS_MAX = 4
 
 GroupRanks = Mapping[int, int] | Sequence[int] | Callable[[int], int] | None
 
@@ -96,8 +88,8 @@ def run_transition(
     ``preallocated``: state name -> an empty destination allocated before the call (`allocate_destinations`),
     written in place instead of one allocated during the transfer; it counts as live from the start, so the
     memory bound is the caller's to keep. Each must have the new local shape, the dtype and the device.
-    ``copy_threads``: intra-op threads for the copies on CPU during the transfer (default `default_copy_threads`);
-    ignored on other devices.
+    ``copy_threads``: intra-op threads for the copies on CPU during the transfer (default
+    `copy_threads.default_copy_threads`); ignored on other devices.
 
     Every process of ``plan.processes`` must call this with the same plan; a process with nothing to move
     still returns (it posts nothing). Returns destinations for every state of the new layout this process
@@ -109,40 +101,12 @@ def run_transition(
     if keep_in_place:
         run.keep_in_place()
     run.adopt_preallocated(preallocated or {})
-    with _intra_op_threads(run.device, copy_threads) as threads:
+    with intra_op_threads(run.device, copy_threads) as threads:
         run.stats.copy_threads = threads
         run.prepare()
         for k in range(run.rp.num_rounds):
             run.run_round(k)
     return run.finish(t_start)
-
-
-def default_copy_threads(process_threads: int | None = None) -> int:
-    """The intra-op threads a CPU transfer copies with: one fewer than the process's (``process_threads``, default
-    torch's current count), so that gloo's thread keeps a core of the process's share, and at most
-    `COPY_THREADS_MAX`, so that the team fits even where the processes' threads oversubscribe the host."""
-    n = torch.get_num_threads() if process_threads is None else process_threads
-    return max(1, min(n - 1, COPY_THREADS_MAX))
-
-
-@contextmanager
-def _intra_op_threads(device: torch.device, requested: int | None) -> Iterator[int | None]:
-    """Run the block with ``requested`` (default `default_copy_threads`) intra-op threads on CPU, then restore the
-    count."""
-    if device.type != "cpu":
-        yield None
-        return
-    if requested is not None and requested < 1:
-        raise TransitionError(f"copy_threads={requested}: pass at least 1, or None for the default")
-    before = torch.get_num_threads()
-    n = default_copy_threads(before) if requested is None else requested
-    if n != before:
-        torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        if n != before:
-            torch.set_num_threads(before)
 
 
 def allocate_destinations(plan: SwitchPlan, rank: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
