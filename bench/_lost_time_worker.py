@@ -15,7 +15,8 @@ checkpoint, the process group is destroyed, and the ranks the next segment keeps
 decision step; the switch runs between two steps.
 
 Every process writes wall-clock marks (``time.time()``: one clock on one machine) of its start, of the first
-micro-batch and the end of every optimizer step, per Trainer it ran.
+micro-batch and the end of every optimizer step, per Trainer it ran, and its page faults, CPU seconds, context
+switches and resident bytes at the last two (``usage``).
 """
 
 import time
@@ -25,6 +26,7 @@ T_START = time.time()  # before the imports: a new process's start-up is part of
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -43,24 +45,39 @@ T_IMPORTED = time.time()
 warnings.filterwarnings("ignore")
 
 
+def usage() -> list[float]:
+    """This process's page faults (minor, major), CPU seconds (user, system) and context switches (voluntary,
+    involuntary) so far, and its resident bytes: where a slow step's time went."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return [u.ru_minflt, u.ru_majflt, u.ru_utime, u.ru_stime, u.ru_nvcsw, u.ru_nivcsw, rss]
+
+
 class Clock(pl.Callback):
-    """Per optimizer step: when its first micro-batch started and when it ended (this process)."""
+    """Per optimizer step: when its first micro-batch started and when it ended (this process), and `usage` at
+    both marks."""
 
     def __init__(self) -> None:
         self.starts: dict[int, float] = {}
         self.ends: dict[int, float] = {}
+        self.usage: dict[int, list[list[float]]] = {}
         self.train_start: float | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.train_start = time.time()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.starts.setdefault(trainer.global_step + 1, time.time())
+        step = trainer.global_step + 1
+        if step not in self.starts:
+            self.starts[step] = time.time()
+            self.usage[step] = [usage()]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step not in self.ends and step in self.starts:
             self.ends[step] = time.time()
+            self.usage[step].append(usage())
 
 
 class Decide(pl.Callback):
@@ -119,6 +136,7 @@ def module(args) -> LlamaLM:
 def segment_record(s: int, clock: Clock, decide: Decide, fit_call: float) -> dict:
     return {"segment": s, "fit_call": fit_call, "train_start": clock.train_start,
             "starts": sorted(clock.starts.items()), "ends": sorted(clock.ends.items()),
+            "usage": sorted(clock.usage.items()),
             "save_s": sorted(decide.save_s.items())}
 
 

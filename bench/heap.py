@@ -4,7 +4,9 @@
 
 Runs ``--model`` under strategy="dynatrain" on ``--devices`` CPU processes, started by dynatrain's launcher once with
 its heap settings (``DYNATRAIN_HEAP=reuse``, the default) and once with glibc's own (``DYNATRAIN_HEAP=glibc``),
-taking turns (the first way alternates from one repeat to the next) so the machine's noise hits both alike. Per
+taking turns (the first way rotates from one repeat to the next) so the machine's noise hits them alike. ``--ways
+reuse,arenas,glibc`` adds a third: the settings with glibc's per-thread arenas (``glibc.malloc.arena_max`` at glibc's
+own limit, eight per core), as they were before one arena served every thread. Per
 optimizer step and process: wall time, CPU seconds in user space and in the kernel, and minor page faults (pages the
 kernel mapped afresh); the first ``--warmup`` steps of each run are dropped. Per way: the median of each over every
 process and step, and the processes' peak RSS.
@@ -14,16 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from dynatrain.launcher import launch_local
-from dynatrain.memory import HEAP_ENV
+from dynatrain.memory import HEAP_ENV, TUNABLES_ENV
 
 HERE = Path(__file__).resolve().parent
-WAYS = ("reuse", "glibc")
+WAYS = {
+    "reuse": {HEAP_ENV: "reuse"},
+    "glibc": {HEAP_ENV: "glibc"},
+    # heap_env keeps a glibc.malloc setting the environment has, so this is the settings but arena_max
+    "arenas": {HEAP_ENV: "reuse", TUNABLES_ENV: f"glibc.malloc.arena_max={8 * (os.cpu_count() or 1)}"},
+}
 FIGURES = ("step_times", "step_user_s", "step_system_s", "step_minor_faults")
 
 
@@ -36,21 +44,25 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--ways", default="reuse,glibc", help=f"of {', '.join(WAYS)}; the first two are compared")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    ways = args.ways.split(",")
+    if len(ways) < 2 or len(set(ways)) < len(ways) or set(ways) - set(WAYS):
+        ap.error(f"--ways: two or more of {', '.join(WAYS)}, each once")
     if args.steps - 1 <= args.warmup:
         ap.error("--steps must leave steps after --warmup")
-    got = {w: {f: [] for f in FIGURES} | {"max_rss_bytes": [], "runs": 0} for w in WAYS}
+    got = {w: {f: [] for f in FIGURES} | {"max_rss_bytes": [], "runs": 0} for w in ways}
     order = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for way in WAYS[rep % 2:] + WAYS[:rep % 2]:
+            for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
                 order.append(way)
                 argv = [str(HERE / "_step_worker.py"), "--strategy", "dynatrain", "--model", args.model,
                         "--steps", str(args.steps), "--seq-len", str(args.seq_len),
                         "--micro-batch", str(args.micro_batch)]
                 ranks = launch_local(argv, args.devices, Path(tmp), timeout=1200, name=f"{way}-{rep}",
-                                     env={"OMP_NUM_THREADS": "1", HEAP_ENV: way})
+                                     env={"OMP_NUM_THREADS": "1", **WAYS[way]})
                 for r in ranks:
                     for f in FIGURES:
                         got[way][f].extend(r[f][args.warmup:])
@@ -58,20 +70,21 @@ def main() -> int:
                 got[way]["runs"] += 1
     summary = {w: {f: statistics.median(v[f]) for f in FIGURES} | {"max_rss_bytes": max(v["max_rss_bytes"])}
                for w, v in got.items()}
-    ratio = {f: summary["reuse"][f] / summary["glibc"][f] for f in FIGURES if summary["glibc"][f]}
+    a, b = ways[:2]
+    ratio = {f: summary[a][f] / summary[b][f] for f in FIGURES if summary[b][f]}
     print(f"model {args.model}, {args.devices} CPU processes, seq_len {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.repeats} runs per way, {args.steps - args.warmup - 1} steps timed per run and process")
     print("| heap | median step s | user s per step | kernel s per step | minor faults per step | peak RSS MiB |")
     print("|---|---|---|---|---|---|")
-    for w in WAYS:
+    for w in ways:
         s = summary[w]
         print(f"| {w} | {s['step_times']:.3f} | {s['step_user_s']:.2f} | {s['step_system_s']:.2f} "
               f"| {s['step_minor_faults']:.0f} | {s['max_rss_bytes'] / 2**20:.0f} |")
-    print("reuse / glibc: " + ", ".join(f"{f} {r:.2f}" for f, r in ratio.items()))
+    print(f"{a} / {b}: " + ", ".join(f"{f} {r:.2f}" for f, r in ratio.items()))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
-                                               "order": order, "summary": summary, "reuse_over_glibc": ratio,
+                                               "order": order, "summary": summary, f"{a}_over_{b}": ratio,
                                                "raw": got}, indent=1))
     return 0
 

@@ -168,7 +168,8 @@ def compact(trial: dict) -> dict:
     return {"spawned": trial["spawned"],
             "ranks": [{**{k: r[k] for k in keep if k in r},
                        "reports": [{k: rep[k] for k in ("step", "old_layout", "new_layout", "world_size", "phases",
-                                                        "stall_s", "bytes_moved", "prepared")}
+                                                        "stall_s", "bytes_moved", "prepared", "heap_trimmed")
+                                    if k in rep}
                                    for rep in r.get("reports", [])]} for r in trial["ranks"]]}
 
 

@@ -31,6 +31,18 @@ except (OSError, AttributeError):
     _malloc_trim = None
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+try:
+    _mallinfo2 = ctypes.CDLL(None).mallinfo2  # glibc 2.33 and later
+    _mallinfo2.restype = _MallInfo2
+except (OSError, AttributeError):
+    _mallinfo2 = None
+
+
 HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse" (the default): the settings below; "glibc": glibc's malloc as it is
 HEAP_CHOICES = ("reuse", "glibc")
 TUNABLES_ENV = "GLIBC_TUNABLES"
@@ -40,12 +52,15 @@ TUNABLES_ENV = "GLIBC_TUNABLES"
 # blocks, and glibc serves one by splitting a few bytes off the front of a larger chunk. Those bytes must stay free
 # to merge with the block again when it is freed: in the per-thread cache or a fast bin they are taken by small
 # blocks, the freed block is then a little too small for the same request, and the heap grows by one block each
-# time (`tests/test_heap.py`), so both are off.
+# time (`tests/test_heap.py`), so both are off. A thread other than the main one gets an arena of its own, made of
+# 64 MiB heaps, and glibc maps a larger block there afresh whatever the settings say (the collectives' threads
+# allocate such blocks every step: a `125m` step faulted in 190 MiB that way), so one arena serves every thread.
 HEAP_TUNABLES = (
     ("glibc.malloc.mmap_max", "0"),
     ("glibc.malloc.trim_threshold", str(1 << 40)),
     ("glibc.malloc.tcache_count", "0"),
     ("glibc.malloc.mxfast", "0"),
+    ("glibc.malloc.arena_max", "1"),
 )
 
 
@@ -70,6 +85,19 @@ def heap_env(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def heap_keeps_freed_memory() -> bool:
+    """Whether this process runs with `HEAP_TUNABLES` as they are (glibc reads them at start-up): the heap then
+    keeps what is freed, mapped, for the next allocation of any thread."""
+    current = set(os.environ.get(TUNABLES_ENV, "").split(":"))
+    return _mallinfo2 is not None and all(f"{k}={v}" in current for k, v in HEAP_TUNABLES)
+
+
+def heap_free_bytes() -> int:
+    """Bytes the heap holds free now (0 where glibc cannot say). Between two steps, with the heap settings, that is
+    mostly the memory a step works in."""
+    return int(_mallinfo2().fordblks) if _mallinfo2 is not None else 0
+
+
 def freeze_import_time_objects() -> int:
     """Exclude the objects that exist now (modules, classes, functions of the libraries imported so far) from
     later collections; returns how many are frozen. Objects frozen are never collected, so this runs at import,
@@ -81,32 +109,38 @@ def freeze_import_time_objects() -> int:
     return gc.get_freeze_count()
 
 
-TRIM_SLACK = 0.02  # RSS may exceed its high-water mark after the last trim by this fraction before the next
-_rss_mark: list[int] = []  # the high-water mark: RSS after the first switch or after the last trim
+TRIM_SLACK = 0.02  # RSS after a switch may exceed the largest footprint known by this fraction before a trim
+_footprint: list[int] = []  # the largest footprint known: RSS at a switch's start, or after a trim
 
 
-def release_freed_memory() -> bool:
-    """Collect the old model's cycles and, when the process has grown, give the heap back to the OS.
+def release_freed_memory(before: int | None = None) -> bool:
+    """Collect the old model's cycles and, when the switch left the process larger than any footprint it had, give
+    the heap back to the OS. ``before``: RSS when the switch started (`resident_bytes`).
 
     glibc keeps freed memory, and over hundreds of switches the fragments of old shards make RSS creep up.
-    Trimming after every switch bounds that, but it also returns the training step's own working set, which the
-    first step after the switch must then fault in again (a third more time for that step on CPU). So the heap is
-    trimmed only when RSS exceeds the mark by ``TRIM_SLACK``: RSS stays within that of the largest layout's
-    footprint, and most first steps find their memory in place. Returns whether it trimmed."""
+    Trimming bounds that, but it also returns the memory a step works in, which the heap keeps mapped between
+    steps: the first step after the switch must then map it again (a gigabyte, a third of a second of kernel time
+    per process, for a `125m` step after a scale-out). RSS at a switch's start is the footprint of the layout it
+    leaves, that working memory included. So the heap is trimmed only when RSS after the switch exceeds the
+    largest footprint known by ``TRIM_SLACK``: RSS stays within that of the largest layout's footprint, and first
+    steps find their memory in place. Returns whether it trimmed."""
     gc.collect()
     if _malloc_trim is None:
         return False
-    rss = _rss_bytes()
-    if not _rss_mark:
-        _rss_mark.append(rss)
+    if before is not None:
+        _footprint[:] = [max(_footprint + [before])]
+    rss = resident_bytes()
+    if not _footprint:
+        _footprint.append(rss)
         return False
-    if rss <= _rss_mark[0] * (1 + TRIM_SLACK):
+    if rss <= _footprint[0] * (1 + TRIM_SLACK):
         return False
     _malloc_trim(0)
-    _rss_mark[0] = max(_rss_mark[0], _rss_bytes())
+    _footprint[0] = max(_footprint[0], resident_bytes())
     return True
 
 
-def _rss_bytes() -> int:
+def resident_bytes() -> int:
+    """This process's resident memory now, in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -87,25 +87,33 @@ def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
 
 
 PROBE = textwrap.dedent("""
-    import json, resource, torch
+    import json, resource, sys, threading, torch
+    mib, where = int(sys.argv[1]), sys.argv[2]
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
     faults, sizes, keep = [], [], []
-    for _ in range(12):
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x = torch.empty(16 * 2**20)  # 64 MiB, written in full: a gathered weight or a gradient
-        x.fill_(1.0)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-        keep.append(torch.empty(10))  # small blocks taken in between, as a step takes them
-        del x
-        sizes.append(rss())
+    def steps():
+        for _ in range(12):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            x = torch.empty(mib * 2**18)  # written in full: a gathered weight or a gradient
+            x.fill_(1.0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            keep.append(torch.empty(10))  # small blocks taken in between, as a step takes them
+            del x
+            sizes.append(rss())
+    if where == "thread":  # as a collective's thread allocates its buffers
+        t = threading.Thread(target=steps)
+        t.start()
+        t.join()
+    else:
+        steps()
     print(json.dumps({"faults": faults, "rss": sizes}))
 """)
 
 
-def _probe(env) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
-                         check=True)
+def _probe(env, mib: int = 64, where: str = "main") -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(mib), where], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
     return json.loads(out.stdout)
 
 
@@ -121,3 +129,79 @@ def test_with_them_a_freed_block_is_reused_and_the_heap_stays_flat(threads):
     assert min(plain["faults"][2:]) > pages // 2, plain
     assert max(ours["faults"][2:]) < pages // 20, ours
     assert ours["rss"][-1] - ours["rss"][1] < 8 * 2**20, ours
+
+
+@pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
+def test_with_them_a_thread_reuses_a_block_larger_than_its_own_arena_could_hold():
+    import os
+
+    mib = 96  # above the 64 MiB of a thread arena's heap
+    pages = mib * 2**20 // os.sysconf("SC_PAGE_SIZE")
+    ours = _probe(heap_env({**os.environ, HEAP_ENV: "reuse"}), mib, "thread")
+    # The settings but one: a user's own arena_max is kept.
+    per_thread = _probe(heap_env({**os.environ, HEAP_ENV: "reuse", TUNABLES_ENV: "glibc.malloc.arena_max=64"}),
+                        mib, "thread")
+    # With an arena per thread glibc maps such a block afresh every time, settings or not; with one arena, once.
+    assert min(per_thread["faults"][2:]) > pages // 2, per_thread
+    assert max(ours["faults"][2:]) < pages // 20, ours
+    assert ours["rss"][-1] - ours["rss"][1] < 8 * 2**20, ours
+
+
+def test_the_heap_is_trimmed_only_past_the_largest_footprint(monkeypatch):
+    from dynatrain import memory
+
+    trims, rss = [], []
+    monkeypatch.setattr(memory, "_footprint", [])
+    monkeypatch.setattr(memory, "_malloc_trim", lambda pad: trims.append(pad) or rss.__setitem__(0, 1500))
+    monkeypatch.setattr(memory, "resident_bytes", lambda: rss[0])
+
+    def switch(before, after):
+        rss[:] = [after]
+        return memory.release_freed_memory(before)
+
+    assert not switch(1000, 1010)  # within the slack of the footprint the switch started from
+    # After a scale-out: the old layout's footprint includes its steps' working memory, which the heap keeps mapped
+    # between steps. Trimming it would make the next step map it all again.
+    assert not switch(3000, 3050)
+    assert not switch(2000, 3050)  # a smaller layout now, still within the largest footprint
+    assert switch(2000, 3100) and trims == [0]  # past it by more than the slack: given back
+    assert memory._footprint == [3000]  # a trim does not lower the mark
+    monkeypatch.setattr(memory, "_footprint", [])
+    rss[:] = [800]
+    assert not memory.release_freed_memory() and memory._footprint == [800]  # no start given: RSS now is the mark
+
+
+WARM_PROBE = textwrap.dedent("""
+    import json, resource, sys, torch
+    from dynatrain.strategies.prepare import free_working_bytes, warm_allocator
+    mib = 64
+    warmed = warm_allocator(mib * 2**20, "cpu") if sys.argv[1] == "warm" else 0
+    free = free_working_bytes("cpu")
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.empty(mib * 2**18)  # a first step's working memory, written in full
+    x.fill_(1.0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    del x
+    print(json.dumps({"warmed": warmed, "free": free, "faults": faults, "again": warm_allocator(mib * 2**20, "cpu")}))
+""")
+
+
+@pytest.mark.skipif(not GLIBC, reason="the settings are glibc's")
+def test_a_warmed_allocator_serves_a_first_step_from_mapped_memory():
+    import os
+
+    def probe(env, how):
+        out = subprocess.run([sys.executable, "-c", WARM_PROBE, how], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    pages = 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+    ours = heap_env({**os.environ, HEAP_ENV: "reuse"})
+    cold, warm = probe(ours, "cold"), probe(ours, "warm")
+    assert cold["faults"] > pages // 2, cold
+    # Free bytes count small fragments too, so a little under what was asked for may be held in one piece.
+    assert warm["warmed"] > 0 and warm["free"] >= 60 * 2**20 and warm["faults"] < pages // 20, warm
+    assert warm["again"] < 2**20  # freed by the step, the memory is still held: nothing (or fragments) to add
+    # With glibc's own settings a freed block this large is unmapped: no warming.
+    plain = probe({**os.environ, HEAP_ENV: "glibc"}, "warm")
+    assert plain["warmed"] == 0 and plain["free"] == 0, plain

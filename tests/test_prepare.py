@@ -9,6 +9,7 @@ from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.configs import get_model_config
 from dynatrain.strategies.prepare import (
     INTENT_KEY,
+    WARM_KEY,
     Background,
     ChangeInputs,
     JoinerPrep,
@@ -176,7 +177,7 @@ def test_rank_zero_publishes_the_intent_from_the_plans_thread_as_soon_as_it_is_p
     store = DictStore()
     prep = MemberPrep(inputs(specs, None), connect=lambda: store)
     prep.plan()
-    assert prep.published and json.loads(store.get(INTENT_KEY)) == prep.plan().intent()
+    assert prep.published and json.loads(store.get(INTENT_KEY)) == {**prep.plan().intent(), WARM_KEY: 0}
 
     def unreachable():
         raise ConnectionError("no store")
@@ -200,3 +201,21 @@ def test_a_failed_background_plan_is_not_published_and_raises_where_the_switch_u
     with pytest.raises(ZeroDivisionError):
         job.result()
     assert job.done()
+
+
+def test_the_joiners_warm_their_allocator_with_the_members_working_memory(specs, monkeypatch):
+    import dynatrain.strategies.prepare as prepare
+
+    warmed = []
+    monkeypatch.setattr(prepare, "warm_allocator", lambda n, device: warmed.append((n, device)) or n)
+    store = DictStore()
+    prep = MemberPrep(inputs(specs, None), working_bytes=3 * 2**20)
+    prep.plan()
+    prep.publish(store)
+    assert json.loads(store.get(INTENT_KEY))[prepare.WARM_KEY] == 3 * 2**20
+    joiner = JoinerPrep(store, "cpu")
+    joiner.prepare_now()
+    assert warmed == [(3 * 2**20, "cpu")] and joiner.warmed == 3 * 2**20
+    assert prepare.WARM_KEY not in joiner.prepared.key  # not a plan input: the switch's payload does not carry it
+    joiner.poll(5.0)
+    assert len(warmed) == 1  # once per intent

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
 from dynatrain import engine
-from dynatrain.memory import release_freed_memory
+from dynatrain.memory import release_freed_memory, resident_bytes
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.adopt import adopt_module
 from dynatrain.strategies.capture import capture
@@ -118,6 +118,7 @@ def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
 def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     """Every survivor: agree on who is left, re-form the world, rebuild the state from replicas."""
     timer = PhaseTimer()
+    footprint = resident_bytes()
     strategy = switcher.strategy
     manager = strategy.elastic
     trainer = switcher.trainer
@@ -189,7 +190,7 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
     new_mesh = strategy._build_mesh(target, ranks=target_ranks)
     adopt_module(switcher, strategy.build_target(new_mesh, target), names, new_mesh, target, target_ranks, dst, kept)
     timer.lap("adopt")
-    release_freed_memory()
+    release_freed_memory(footprint)
     report = RecoveryReport(step=step, lost=lost, survivors=len(new_members), old_layout=old_cfg.short(),
                             new_layout=target.short(), bytes_moved=plan.bytes_moved,
                             seconds=time.monotonic() - start, cause=cause, phases=timer.phases)

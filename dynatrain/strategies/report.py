@@ -38,6 +38,9 @@ class SwitchReport:
     # torch.compile of the target's blocks, None when off: compiled at the first step on the new layout (it needs the
     # moved weights), outside the stall; filled in as that step runs.
     compile_s: float | None = None
+    # The freed heap was given back to the OS after the switch (`memory.release_freed_memory`): the next step maps
+    # its working memory again.
+    heap_trimmed: bool = False
 
     @property
     def stall_s(self) -> float:
@@ -70,7 +73,8 @@ def check_unchanged(bad: list[str], old_cfg: ParallelConfig, target: ParallelCon
 
 
 def publish_report(switcher: "Switcher", plan, old_cfg: ParallelConfig, target: ParallelConfig, positions, stats,
-                   verified: bool | None, timer: PhaseTimer, prepared: bool = False) -> SwitchReport:
+                   verified: bool | None, timer: PhaseTimer, prepared: bool = False,
+                   heap_trimmed: bool = False) -> SwitchReport:
     """The report of a switch that completed on this process: kept by the strategy, logged, handed to every
     `after_switch` hook."""
     strategy = switcher.strategy
@@ -81,7 +85,7 @@ def publish_report(switcher: "Switcher", plan, old_cfg: ParallelConfig, target: 
         bytes_total=plan.bytes_total, bytes_moved=plan.bytes_moved,
         bytes_moved_identity=plan.bytes_moved_identity, rounds=plan.num_rounds, rank_map=list(positions),
         peak_bytes=stats.peak_bytes, peak_bound=stats.peak_bound, verified=verified, phases=timer.phases,
-        old_world_size=old_cfg.world_size, prepared=prepared,
+        old_world_size=old_cfg.world_size, prepared=prepared, heap_trimmed=heap_trimmed,
     )
     strategy.switch_reports.append(report)
     rank_zero_info(

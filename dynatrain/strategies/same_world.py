@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from dynatrain import engine
 from dynatrain.engine.verify import compare, local_checksums
-from dynatrain.memory import release_freed_memory
+from dynatrain.memory import release_freed_memory, resident_bytes
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.adopt import adopt_module
 from dynatrain.strategies.capture import capture
@@ -32,6 +32,7 @@ def switch_in_world(switcher: "Switcher", target: str | ParallelConfig, *, rank_
                     budget_mb: float | None = None) -> SwitchReport:
     switcher.require_boundary()
     timer = PhaseTimer()
+    footprint = resident_bytes()  # the old layout's, its steps' working memory included
     strategy = switcher.strategy
     target = switcher.check(target)
     module, optimizer, captured = capture_agreed(switcher)
@@ -74,5 +75,5 @@ def switch_in_world(switcher: "Switcher", target: str | ParallelConfig, *, rank_
         verified = check_unchanged(compare(old_layout, old_sums, plan.new, new_sums, device=strategy.root_device),
                                    old_cfg, target)
         timer.lap("verify")
-    release_freed_memory()
-    return publish_report(switcher, plan, old_cfg, target, positions, stats, verified, timer)
+    trimmed = release_freed_memory(footprint)
+    return publish_report(switcher, plan, old_cfg, target, positions, stats, verified, timer, heap_trimmed=trimmed)

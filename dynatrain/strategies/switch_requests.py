@@ -15,7 +15,7 @@ from dynatrain.elastic.store import connect as connect_store
 from dynatrain.engine.verify import SwitchVerificationError
 from dynatrain.strategies.capture import check_switchable
 from dynatrain.strategies.pipeline import check_pipeline_module
-from dynatrain.strategies.prepare import MemberPrep
+from dynatrain.strategies.prepare import MemberPrep, free_working_bytes
 from dynatrain.strategies.recovery import WorldChangeError
 from dynatrain.strategies.report import SwitchReport
 from dynatrain.strategies.same_world import switch_in_world
@@ -197,4 +197,7 @@ def _prepare(switcher: "Switcher", p: Pending) -> None:
     `prepare`)."""
     inputs = change_inputs(switcher, p.target, p.leave, None)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
-        switcher.prepared = MemberPrep(inputs, _intent_store(switcher))
+        strategy = switcher.strategy
+        # A step boundary: what the allocator holds free now is what the steps work in.
+        working = free_working_bytes(strategy.root_device) if strategy.global_rank == 0 else 0
+        switcher.prepared = MemberPrep(inputs, _intent_store(switcher), working)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from dynatrain import engine
 from dynatrain.engine.verify import differing, local_checksums, reduce_sums
-from dynatrain.memory import release_freed_memory
+from dynatrain.memory import release_freed_memory, resident_bytes
 from dynatrain.strategies.adopt import adopt_module
 from dynatrain.strategies.capture import capture
 from dynatrain.strategies.join_payload import encode_scalars, loop_checkpoint
@@ -62,6 +62,7 @@ class WorldSwitch:
         switcher, strategy = self.switcher, self.strategy
         switcher.require_boundary()
         self.timer = timer = PhaseTimer()
+        footprint = resident_bytes()  # the old layout's, its steps' working memory included
         module, optimizer, captured = capture_agreed(switcher)
         self.old_cfg = strategy.parallel_config
         self._plan(captured)
@@ -95,9 +96,9 @@ class WorldSwitch:
         if old_totals is not None:
             verified = self._verify(module, old_totals)
             timer.lap("verify")
-        release_freed_memory()
+        trimmed = release_freed_memory(footprint)
         return publish_report(switcher, self.plan, self.old_cfg, self.target, self.target_ranks, stats, verified,
-                              timer, prepared=self.prepared is not None)
+                              timer, prepared=self.prepared is not None, heap_trimmed=trimmed)
 
     def _plan(self, captured) -> None:
         """The plan over the union, from the one prepared in the background when its inputs still hold."""
