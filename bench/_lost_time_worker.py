@@ -39,6 +39,7 @@ from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
 from dynatrain.launcher import finish_rank  # noqa: E402
 from dynatrain.llama_lm import LlamaLM  # noqa: E402
+from dynatrain.memory import resident_bytes  # noqa: E402
 from dynatrain.vps.parallel_config import ParallelConfig  # noqa: E402
 
 T_IMPORTED = time.time()
@@ -49,9 +50,7 @@ def usage() -> list[float]:
     """This process's page faults (minor, major), CPU seconds (user, system) and context switches (voluntary,
     involuntary) so far, and its resident bytes: where a slow step's time went."""
     u = resource.getrusage(resource.RUSAGE_SELF)
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return [u.ru_minflt, u.ru_majflt, u.ru_utime, u.ru_stime, u.ru_nvcsw, u.ru_nivcsw, rss]
+    return [u.ru_minflt, u.ru_majflt, u.ru_utime, u.ru_stime, u.ru_nvcsw, u.ru_nivcsw, resident_bytes()]
 
 
 class Clock(pl.Callback):

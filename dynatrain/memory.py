@@ -119,8 +119,8 @@ def release_freed_memory(before: int | None = None) -> bool:
 
     glibc keeps freed memory, and over hundreds of switches the fragments of old shards make RSS creep up.
     Trimming bounds that, but it also returns the memory a step works in, which the heap keeps mapped between
-    steps: the first step after the switch must then map it again (a gigabyte, a third of a second of kernel time
-    per process, for a `125m` step after a scale-out). RSS at a switch's start is the footprint of the layout it
+    steps: the first step after the switch must then map it again (1.3 GiB, about a second more of kernel time per
+    process on 2 cores, for a `125m` step after a scale-out). RSS at a switch's start is the footprint of the layout it
     leaves, that working memory included. So the heap is trimmed only when RSS after the switch exceeds the
     largest footprint known by ``TRIM_SLACK``: RSS stays within that of the largest layout's footprint, and first
     steps find their memory in place. Returns whether it trimmed."""
