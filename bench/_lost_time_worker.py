@@ -120,7 +120,9 @@ class Decide(pl.Callback):
         if trainer.global_rank == 0:
             (self.signal_dir / f"decided-{i}").write_text(str(time.time()))
         if self.mode == "online":
-            trainer.strategy.request_switch(self.targets[i + 1])  # the boundary hook after this callback runs it
+            # The boundary hook after this callback runs it, or a later one: a scale-out trains on until its new
+            # processes are ready, a scale-in until its plan is.
+            trainer.strategy.request_switch(self.targets[i + 1], plan_ahead=True)
             return
         t0 = time.time()
         trainer.save_checkpoint(str(Path(self.args.ckpt_dir) / f"segment-{i}"))

@@ -16,7 +16,6 @@ allocations on rank 0 from the warm-up and reports what grew over the run after 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import threading
@@ -31,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import dynatrain
 from dynatrain.data import LlamaDataModule
 from dynatrain.launcher import finish_rank
+from dynatrain.memory import malloc_figures, trim_heap
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.models.configs import get_model_config
 from dynatrain.models.llama import Transformer
@@ -46,33 +46,6 @@ def _status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     return -1
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.mallinfo2.restype = _MallInfo2
-except (OSError, AttributeError):  # not glibc >= 2.33: leave the allocator figures out
-    _LIBC = None
-
-
-def malloc_figures() -> dict:
-    """glibc's view (all arenas): bytes handed out and not freed (small + mmapped chunks) against bytes it holds
-    free. In-use flat while RSS grows = memory the allocator keeps (fragmentation), not a leak."""
-    if _LIBC is None:
-        return {}
-    m = _LIBC.mallinfo2()
-    return {"malloc_in_use_bytes": m.uordblks + m.hblkhd, "malloc_free_bytes": m.fordblks,
-            "malloc_mmapped_bytes": m.hblkhd}
-
-
-def malloc_trim() -> None:
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def _count(cls) -> int:
@@ -102,7 +75,7 @@ def sample(strategy, switches: int, step: int, trim: bool = False) -> dict:
     """What a switch could leak, measured after a full collection (and `malloc_trim(0)` with ``trim``)."""
     unreachable = gc.collect()
     if trim:
-        malloc_trim()
+        trim_heap()
     world = c10d._world
     return {**malloc_figures(),
         "switches": switches,
@@ -169,7 +142,7 @@ class Soak(pl.Callback):
             strategy.verify_switches = False
             if self.trim_after:
                 t = time.perf_counter()
-                malloc_trim()
+                trim_heap()
                 self.trim_s.append(time.perf_counter() - t)
             if (self.done == 1 or self.done == self.warmup or self.done == self.total
                     or self.done % self.sample_every == 0):

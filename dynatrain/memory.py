@@ -98,6 +98,23 @@ def heap_free_bytes() -> int:
     return int(_mallinfo2().fordblks) if _mallinfo2 is not None else 0
 
 
+def malloc_figures() -> dict[str, int]:
+    """glibc's view of the heap (every arena): bytes handed out and not freed (heap and mapped blocks), bytes it holds
+    free, and bytes in mapped blocks; empty where glibc cannot say. In use flat while RSS grows is memory the heap
+    keeps (fragmentation), not a leak."""
+    if _mallinfo2 is None:
+        return {}
+    m = _mallinfo2()
+    return {"malloc_in_use_bytes": int(m.uordblks + m.hblkhd), "malloc_free_bytes": int(m.fordblks),
+            "malloc_mmapped_bytes": int(m.hblkhd)}
+
+
+def trim_heap() -> None:
+    """Give every free page of the heap back to the OS now (glibc's ``malloc_trim(0)``), whatever the footprint."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 def freeze_import_time_objects() -> int:
     """Exclude the objects that exist now (modules, classes, functions of the libraries imported so far) from
     later collections; returns how many are frozen. Objects frozen are never collected, so this runs at import,

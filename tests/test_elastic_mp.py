@@ -8,6 +8,7 @@ from tests._launch import launch, launch_elastic
 pytestmark = pytest.mark.multiprocess
 
 SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;5:dp_shard=2,tp=2"
+AHEAD = SWITCHES.replace(":2,3;", ":2,3:ahead;")
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -32,8 +33,10 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monke
     # The second joiner starts only once the members wait for it to reach dp_shard=2,tp=2 and prepare that world
     # change in the background; they train on, but not past step 7 without it.
     signal = str(tmp_path / "preparing")
+    # The scale-in is planned ahead: requested at the first micro-batch of step 2, it runs at the first boundary
+    # where its background plan is ready.
     members, joiners = launch_elastic(
-        "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES,
+        "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", AHEAD,
                           "--prepared-signal", f"dp_shard=2,tp=2@{signal}", "--hold-for-joiner", str(steps - 1)],
         tmp_path / "e", joiners=[[], ["--start-after", signal]], timeout=360, threads=None,
     )
@@ -49,8 +52,8 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monke
     assert [r["new_layout"] for r in first["reports"]] == ["dp_shard=2", "dp_shard=3", "dp_shard=2,tp=2"]
     assert [r["world_size"] for r in first["reports"]] == [2, 3, 4]
     assert all(r["verified"] for p in members[:2] + joiners for r in p["reports"])
-    # The last scale-out ran from the plan and skeleton prepared while the members trained on.
-    assert [r["prepared"] for r in first["reports"]][::2] == [False, True]
+    # The scale-in planned ahead and the last scale-out ran from plans prepared while the members trained on.
+    assert [r["prepared"] for r in first["reports"]][::2] == [True, True]
     # Same global batch, same data, same optimizer state: the losses of a static run, step for step.
     ref = static_losses
     assert len(first["losses"]) == len(ref) == steps

@@ -205,3 +205,20 @@ def test_a_warmed_allocator_serves_a_first_step_from_mapped_memory():
     # With glibc's own settings a freed block this large is unmapped: no warming.
     plain = probe({**os.environ, HEAP_ENV: "glibc"}, "warm")
     assert plain["warmed"] == 0 and plain["free"] == 0, plain
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's heap")
+def test_malloc_figures_count_a_block_while_it_is_held_and_a_trim_keeps_it():
+    import torch
+
+    from dynatrain.memory import malloc_figures, trim_heap
+
+    before = malloc_figures()
+    block = torch.ones(64 << 20, dtype=torch.uint8)
+    held = malloc_figures()
+    assert held["malloc_in_use_bytes"] - before["malloc_in_use_bytes"] >= 64 << 20
+    trim_heap()  # gives back free pages only: the block is still there
+    assert malloc_figures()["malloc_in_use_bytes"] >= held["malloc_in_use_bytes"] - (1 << 20)
+    assert int(block.sum()) == 64 << 20
+    del block
+    assert malloc_figures()["malloc_in_use_bytes"] < held["malloc_in_use_bytes"] - (60 << 20)

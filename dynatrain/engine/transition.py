@@ -51,12 +51,9 @@ from dynatrain.engine.checks import (
 )
 from dynatrain.engine.copy_threads import intra_op_threads
 from dynatrain.engine.stats import LiveBytes, TransitionStats
-from dynatrain.engine.wire import WireOp, split_message
+from dynatrain.engine.wire import WireOp, box_view, in_place, local_box, recv_staged, send_staged, slots, split_message
 from dynatrain.planner.routing import Transfer
 from dynatrain.planner.schedule import SwitchPlan
-from dynatrain.vps.box import Box
-
-ALIGN = 16  # bytes: every message slot of the staging buffer starts at a multiple of this
 
 GroupRanks = Mapping[int, int] | Sequence[int] | Callable[[int], int] | None
 
@@ -192,7 +189,7 @@ class _RankTransition:
             if tuple(s_sh.local_shape) != tuple(d_sh.local_shape):
                 continue
             same = all(
-                _local_box(s_sh.offsets[t.src_shard], t.src_box) == _local_box(d_sh.offsets[t.dst_shard], t.dst_box)
+                local_box(s_sh.offsets[t.src_shard], t.src_box) == local_box(d_sh.offsets[t.dst_shard], t.dst_box)
                 for t in ts
             )
             if same and sum(t.dst_box.numel for t in ts) == src[name].numel():
@@ -233,8 +230,8 @@ class _RankTransition:
                      for k in range(rp.num_rounds)]
         size = 0
         for sends, recvs in self.wire:
-            _, end = _slots(sends, 0, _send_staged)
-            _, end = _slots(recvs, end, _recv_staged)
+            _, end = slots(sends, 0, send_staged)
+            _, end = slots(recvs, end, recv_staged)
             size = max(size, end)
         self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.stats.staging_bytes = size
@@ -246,8 +243,8 @@ class _RankTransition:
         """Pack, post every send and receive at once, copy locally while the wire is busy, wait, unpack."""
         stats = self.stats
         sends, recvs = self.wire[k]
-        send_offs, end = _slots(sends, 0, _send_staged)
-        recv_offs, _ = _slots(recvs, end, _recv_staged)
+        send_offs, end = slots(sends, 0, send_staged)
+        recv_offs, _ = slots(recvs, end, recv_staged)
         t0 = time.perf_counter()
         buffers, on_wire = self._pack(sends, send_offs)
         t1 = time.perf_counter()
@@ -281,13 +278,13 @@ class _RankTransition:
         for op, off in zip(sends, offs):
             if op.src_direct:
                 [t] = op.pieces
-                view = _box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
-                buffers.append(_in_place(self.rank, view))
+                view = box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
+                buffers.append(in_place(self.rank, view))
                 on_wire.add(t.state)
             else:
                 pos = off
                 for t in op.pieces:
-                    view = _box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
+                    view = box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
                     staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(view.shape).copy_(view)
                     pos += t.nbytes
                     del view
@@ -312,7 +309,7 @@ class _RankTransition:
         for op, off in zip(recvs, offs):
             if op.dst_direct:
                 [t] = op.pieces
-                b = _in_place(self.rank, _box_view(self._get_dst(t.state),
+                b = in_place(self.rank, box_view(self._get_dst(t.state),
                                                    self.dst_shards[t.state].offsets[t.dst_shard], t.dst_box))
                 self.stats.bytes_zero_copy += op.nbytes
             else:
@@ -325,8 +322,8 @@ class _RankTransition:
         src, uses = self.src, self.uses
         for t in _copy_order(self.rp.local_copies[k], self.kept, uses, src, self.dst, self.dst_spec):
             s_sh, d_sh = self.src_shards[t.state], self.dst_shards[t.state]
-            out = _box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
-            out.copy_(_box_view(src[t.state], s_sh.offsets[t.src_shard], t.src_box))
+            out = box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
+            out.copy_(box_view(src[t.state], s_sh.offsets[t.src_shard], t.src_box))
             del out
             self.stats.bytes_local += t.nbytes
             uses[t.state] -= 1
@@ -342,7 +339,7 @@ class _RankTransition:
                 pos = off
                 for t in op.pieces:
                     d_sh = self.dst_shards[t.state]
-                    out = _box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
+                    out = box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
                     out.copy_(staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(out.shape))
                     pos += t.nbytes
                     del out
@@ -399,39 +396,6 @@ def _resolve_peers(group_ranks: GroupRanks) -> Callable[[int], int]:
             raise TransitionError(f"process {p} of the plan has no rank in the process group mapping") from None
 
     return peer
-
-
-def _slots(ops: list[WireOp], start: int, staged: Callable[[WireOp], bool]) -> tuple[list[int], int]:
-    """Each operation's offset in the staging buffer from ``start`` (a slot only for a staged one), and the end."""
-    offs, pos = [], start
-    for op in ops:
-        offs.append(pos)
-        if staged(op):
-            pos += -(-op.nbytes // ALIGN) * ALIGN
-    return offs, pos
-
-
-def _send_staged(op: WireOp) -> bool:
-    return not op.src_direct
-
-
-def _recv_staged(op: WireOp) -> bool:
-    return not op.dst_direct
-
-
-def _in_place(rank: int, view: torch.Tensor) -> torch.Tensor:
-    if not view.is_contiguous():  # the plan's geometry and torch's disagree: never send the wrong bytes
-        raise TransitionError(f"rank {rank}: a piece planned as contiguous is a strided view {view.stride()}")
-    return view.reshape(-1).view(torch.uint8)
-
-
-def _box_view(t: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
-    """``box`` (in the coordinates of the shard at ``origin`` inside local tensor ``t``) as a view of t."""
-    return t[tuple(slice(o + l, o + h) for o, l, h in zip(origin, box.lo, box.hi))]
-
-
-def _local_box(origin: tuple[int, ...], box: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return tuple(o + l for o, l in zip(origin, box.lo)), tuple(o + h for o, h in zip(origin, box.hi))
 
 
 def _copy_order(copies, kept, uses, src, dst, dst_spec) -> list[Transfer]:

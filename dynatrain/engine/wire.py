@@ -7,11 +7,19 @@ the split is decided from the plan alone (the box and the local shape of *both* 
 of at least ``DIRECT_MIN_BYTES`` that is contiguous on either side is its own operation, staged only on the side
 where it is strided; every other piece of the message shares one packed operation, as before. Small pieces stay
 packed because one operation per small piece costs more in posting than the copy it saves.
+
+Here too: where each staged operation sits in the staging buffer (`slots`), and a piece's box as a view of its local
+tensor (`box_view`), which is what goes on the wire in place (`in_place`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+
+from dynatrain.engine.checks import TransitionError
 
 from dynatrain.planner.routing import Transfer
 from dynatrain.planner.schedule import Message
@@ -19,6 +27,7 @@ from dynatrain.vps.box import Box
 from dynatrain.vps.layout import Layout
 
 DIRECT_MIN_BYTES = 64 * 1024
+ALIGN = 16  # bytes: every message slot of the staging buffer starts at a multiple of this
 
 
 @dataclass(frozen=True)
@@ -63,3 +72,36 @@ def split_message(m: Message, old: Layout, new: Layout, peer: int) -> list[WireO
     if packed:
         ops.append(WireOp(peer, tuple(packed), sum(t.nbytes for t in packed), False, False))
     return ops
+
+
+def slots(ops: list[WireOp], start: int, staged: Callable[[WireOp], bool]) -> tuple[list[int], int]:
+    """Each operation's offset in the staging buffer from ``start`` (a slot only for a staged one), and the end."""
+    offs, pos = [], start
+    for op in ops:
+        offs.append(pos)
+        if staged(op):
+            pos += -(-op.nbytes // ALIGN) * ALIGN
+    return offs, pos
+
+
+def send_staged(op: WireOp) -> bool:
+    return not op.src_direct
+
+
+def recv_staged(op: WireOp) -> bool:
+    return not op.dst_direct
+
+
+def in_place(rank: int, view: torch.Tensor) -> torch.Tensor:
+    if not view.is_contiguous():  # the plan's geometry and torch's disagree: never send the wrong bytes
+        raise TransitionError(f"rank {rank}: a piece planned as contiguous is a strided view {view.stride()}")
+    return view.reshape(-1).view(torch.uint8)
+
+
+def box_view(t: torch.Tensor, origin: tuple[int, ...], box: Box) -> torch.Tensor:
+    """``box`` (in the coordinates of the shard at ``origin`` inside local tensor ``t``) as a view of t."""
+    return t[tuple(slice(o + l, o + h) for o, l, h in zip(origin, box.lo, box.hi))]
+
+
+def local_box(origin: tuple[int, ...], box: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(o + l for o, l in zip(origin, box.lo)), tuple(o + h for o, h in zip(origin, box.hi))

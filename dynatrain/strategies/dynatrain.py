@@ -387,8 +387,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         returns its `SwitchReport` or None. Every rank calls it at the same point."""
         return self._switcher.run_pending()
 
-    def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = (), wait: bool = False
-                       ) -> ParallelConfig:
+    def request_switch(self, target: str | ParallelConfig, leave: Sequence[int] = (), wait: bool = False,
+                       plan_ahead: bool = False) -> ParallelConfig:
         """Switch to ``target`` at the next optimizer-step boundary (now, if training is at one).
 
         The target is checked at once: a layout that does not fit the devices or the model, or whose
@@ -397,9 +397,11 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         ``leave`` names ranks that must go (others are chosen by the planner when the target is smaller);
         a larger target waits at step boundaries for enough ready joiners (`dynatrain join`), training on
         meanwhile, or, with ``wait=True``, holds training at the next boundary until they are ready (dropped after
-        the elastic ``join_timeout`` either way).
+        the elastic ``join_timeout`` either way). With ``plan_ahead=True``, a world change that needs no joiners
+        (a scale-in) is planned in the background from the request on and runs at the first boundary where its plan
+        is ready, training on the old world meanwhile: the plan leaves the stall, at the cost of a step or so later.
         """
-        return self._switcher.request(target, leave, wait)
+        return self._switcher.request(target, leave, wait, plan_ahead)
 
     # ---- collectives of a process outside the training world ----------------------------------------------
     def barrier(self, name: str | None = None) -> None:

@@ -1,6 +1,8 @@
 """Switch requests: checked at once (a bad target raises ValueError and nothing changes), queued, and run at an
 optimizer-step boundary; a scale-out waits there, across boundaries, until enough joiners are ready, and is planned
-in the background meanwhile (`prepare`)."""
+in the background meanwhile (`prepare`). A world change that needs no joiners can be planned ahead the same way
+(``plan_ahead``): its plan starts at the request and the switch runs at the first boundary where it is ready, so the
+plan is not in the stall, and the steps trained meanwhile on the old world are not lost."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Pending:
     leave: tuple[int, ...]
     requested_at: float
     wait: bool = False  # a scale-out holds training at its boundary until its joiners are ready (or time out)
+    plan_ahead: bool = False  # a change without joiners runs at the first boundary where its background plan is ready
 
 
 def check_target(switcher: "Switcher", target: str | ParallelConfig, world_size: int | None = None
@@ -89,16 +92,20 @@ def _check_module(switcher: "Switcher", target: ParallelConfig, probe: bool = Fa
     switcher.targets.check(target, captured, probe=probe)
 
 
-def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: bool = False) -> ParallelConfig:
+def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: bool = False,
+            plan_ahead: bool = False) -> ParallelConfig:
     leave = tuple(sorted({int(r) for r in leave}))
     parsed = ParallelConfig.parse(target)
     check_world(switcher, parsed, leave)
     target = check_target(switcher, parsed, world_size=parsed.world_size)
-    _check_module(switcher, target, probe=parsed.world_size != switcher.strategy.world_size or bool(leave))
-    switcher.pending = Pending(target, leave, time.monotonic(), wait)
+    changes_world = parsed.world_size != switcher.strategy.world_size or bool(leave)
+    _check_module(switcher, target, probe=changes_world)
+    switcher.pending = p = Pending(target, leave, time.monotonic(), wait, plan_ahead)
     switcher.prepared = None
     if switcher.trainer is None or not switcher.trainer.training:
         run_pending(switcher)
+    elif plan_ahead and changes_world:
+        _prepare(switcher, p)  # a request made inside a step may be planned by its end
     return target
 
 
@@ -164,7 +171,14 @@ def _agree_on_joiners(switcher: "Switcher", p: Pending):
     strategy = switcher.strategy
     need = p.target.world_size - (strategy.world_size - len(p.leave))
     if need <= 0:
-        return []
+        if not p.plan_ahead:
+            return []
+        # Rank 0's plan decides for all: a rank whose own is not done yet waits for it at the switch.
+        ready = strategy.global_rank == 0 and switcher.prepared is not None and switcher.prepared.done()
+        if strategy.broadcast(ready):
+            return []
+        _prepare(switcher, p)
+        return None
     decision = None
     if strategy.global_rank == 0:
         manager = strategy.elastic
@@ -193,11 +207,14 @@ def _intent_store(switcher: "Switcher"):
 
 
 def _prepare(switcher: "Switcher", p: Pending) -> None:
-    """While a scale-out waits for its joiners: plan it in the background, for whichever joiners come (see
-    `prepare`)."""
+    """While a scale-out waits for its joiners, or a change planned ahead trains on: plan it in the background, for
+    whichever joiners come (see `prepare`). Only a change with joiners publishes its intent for them."""
     inputs = change_inputs(switcher, p.target, p.leave, None)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
         strategy = switcher.strategy
+        if not inputs.joiners:
+            switcher.prepared = MemberPrep(inputs)
+            return
         # A step boundary: what the allocator holds free now is what the steps work in.
         working = free_working_bytes(strategy.root_device) if strategy.global_rank == 0 else 0
         switcher.prepared = MemberPrep(inputs, _intent_store(switcher), working)

@@ -60,8 +60,9 @@ class Switcher:
         """Parse and validate a target against the devices, the model and the global batch."""
         return switch_requests.check_target(self, target, world_size)
 
-    def request(self, target: str | ParallelConfig, leave=(), wait: bool = False) -> ParallelConfig:
-        return switch_requests.request(self, target, leave, wait)
+    def request(self, target: str | ParallelConfig, leave=(), wait: bool = False, plan_ahead: bool = False
+                ) -> ParallelConfig:
+        return switch_requests.request(self, target, leave, wait, plan_ahead)
 
     def run_pending(self) -> SwitchReport | None:
         """Run the pending request if it can run now; a scale-out waits (across boundaries) for its joiners."""

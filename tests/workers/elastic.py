@@ -1,7 +1,7 @@
 """One process of an elastic run: a member started with the job, or (DYNATRAIN_JOIN=1) a process joining it.
 
-``--switches "step:layout[:leave ranks];..."``: the i-th entry is requested at the first micro-batch of an
-optimizer step >= its step once the previous one has run.
+``--switches "step:layout[:leave ranks[:ahead]];..."``: the i-th entry is requested at the first micro-batch of an
+optimizer step >= its step once the previous one has run (``ahead``: with ``plan_ahead=True``).
 """
 
 import argparse
@@ -30,7 +30,7 @@ class Script(pl.Callback):
     """Requests the entries in order, each once the previous one has run. Its position is callback state: a
     joiner resumes it from the members' at the switch that admitted it, whichever switch that was."""
 
-    def __init__(self, entries: list[tuple[int, str, tuple[int, ...]]], die: tuple[int, int] | None,
+    def __init__(self, entries: list[tuple[int, str, tuple[int, ...], bool]], die: tuple[int, int] | None,
                  prepared_signal: tuple[str, str] | None = None, hold_for_joiner: int | None = None):
         self.entries = entries
         self.next = 0
@@ -69,9 +69,9 @@ class Script(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         strategy = trainer.strategy
         if self.next < len(self.entries) and strategy._switcher.pending is None:
-            step, layout, leave = self.entries[self.next]
+            step, layout, leave, ahead = self.entries[self.next]
             if trainer.global_step >= step:
-                strategy.request_switch(layout, leave=leave)
+                strategy.request_switch(layout, leave=leave, plan_ahead=ahead)
                 self.next += 1
 
 
@@ -137,7 +137,7 @@ def main() -> None:
     for item in filter(None, args.switches.split(";")):
         parts = item.split(":")
         leave = tuple(int(r) for r in parts[2].split(",")) if len(parts) > 2 and parts[2] else ()
-        entries.append((int(parts[0]), parts[1], leave))
+        entries.append((int(parts[0]), parts[1], leave, parts[3:] == ["ahead"]))
     joining = os.environ.get(JOIN_ENV) == "1"
     world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
