@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 import dynatrain
 from dynatrain.data import LlamaDataModule
 from dynatrain.launcher import finish_rank
-from dynatrain.memory import malloc_figures, trim_heap
 from dynatrain.llama_lm import LlamaLM
+from dynatrain.memory import malloc_figures, trim_heap
 from dynatrain.models.configs import get_model_config
 from dynatrain.models.llama import Transformer
 from dynatrain.vps.parallel_config import ParallelConfig

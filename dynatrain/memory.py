@@ -95,7 +95,7 @@ def heap_keeps_freed_memory() -> bool:
 def heap_free_bytes() -> int:
     """Bytes the heap holds free now (0 where glibc cannot say). Between two steps, with the heap settings, that is
     mostly the memory a step works in."""
-    return int(_mallinfo2().fordblks) if _mallinfo2 is not None else 0
+    return malloc_figures().get("malloc_free_bytes", 0)
 
 
 def malloc_figures() -> dict[str, int]:

@@ -310,7 +310,7 @@ class _RankTransition:
             if op.dst_direct:
                 [t] = op.pieces
                 b = in_place(self.rank, box_view(self._get_dst(t.state),
-                                                   self.dst_shards[t.state].offsets[t.dst_shard], t.dst_box))
+                                                 self.dst_shards[t.state].offsets[t.dst_shard], t.dst_box))
                 self.stats.bytes_zero_copy += op.nbytes
             else:
                 b = self.staging[off:off + op.nbytes]

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from dynatrain.engine.checks import TransitionError
-
 from dynatrain.planner.routing import Transfer
 from dynatrain.planner.schedule import Message
 from dynatrain.vps.box import Box
