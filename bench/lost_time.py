@@ -43,7 +43,7 @@ from pathlib import Path
 from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import host_store, joiner_env, launch_local, rank_env
+from dynatrain.launcher import PRELOAD, host_store, joiner_env, launch_local, rank_env
 from dynatrain.memory import HEAP_ENV
 
 HERE = Path(__file__).resolve().parent
@@ -67,12 +67,20 @@ def scale_outs() -> list[int]:
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 
+def forked(args) -> dict:
+    """With ``--fork-ranks``, the launches fork their ranks from one process that imported torch and Lightning once
+    (`launcher.PRELOAD`, kept across trials): a restart then skips the start-up a real one pays, so the lost times
+    mean nothing; what is left is a check that every way runs its chain (the processes a scale-out adds still
+    start as their own)."""
+    return {"preload": PRELOAD, "keep_zygote": True} if args.fork_ranks else {}
+
+
 def run_cold(args, tmp: Path) -> dict:
     ranks, launched = [], []
     for s, (_, procs) in enumerate(CHAIN):
         argv = base_argv(args, "cold", tmp, s) + ["--ckpt-dir", str(tmp)]
         launched.append(time.time())
-        ranks += launch_local(argv, procs, tmp, timeout=args.timeout, env=ENV, name=f"cold-{s}")
+        ranks += launch_local(argv, procs, tmp, timeout=args.timeout, env=ENV, name=f"cold-{s}", **forked(args))
     return {"ranks": ranks, "spawned": {i: launched[i + 1] for i in range(len(CHAIN) - 1)}}
 
 
@@ -88,7 +96,7 @@ def run_warm(args, tmp: Path) -> dict:
         seg = base_argv(args, "warm", tmp, i + 1) + ["--ckpt-dir", str(tmp), "--ports", ports]
         spawner.when(tmp / f"decided-{i}", i, [(seg, rank_env(r, new, stores[i].port, ENV)) for r in range(old, new)])
     try:
-        ranks = launch_local(argv, CHAIN[0][1], tmp, timeout=args.timeout, env=ENV, name="warm")
+        ranks = launch_local(argv, CHAIN[0][1], tmp, timeout=args.timeout, env=ENV, name="warm", **forked(args))
         ranks += spawner.finish(args.timeout)
     finally:
         spawner.kill()
@@ -106,7 +114,7 @@ def run_online(args, tmp: Path) -> dict:
         spawner.when(tmp / f"decided-{i}", i, [(joiner, joiner_env(env, CHAIN[i + 1][1]))] * added)
     try:
         ranks = launch_local(base_argv(args, "online", tmp), CHAIN[0][1], tmp, timeout=args.timeout, env=env,
-                             name="online")
+                             name="online", **forked(args))
         ranks += spawner.finish(args.timeout)
     finally:
         spawner.kill()
@@ -223,6 +231,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--table-from", default=None, help="print the table of an earlier --json and exit")
+    ap.add_argument("--fork-ranks", action="store_true",
+                    help="fork the launched ranks from one preloaded process: a quick check of the chains whose "
+                         "figures are not a restart's (see `forked`)")
     args = ap.parse_args()
     if args.table_from:
         data = json.loads(Path(args.table_from).read_text())

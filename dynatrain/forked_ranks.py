@@ -13,6 +13,14 @@ The zygote stays in its process group with the ranks (killing the group kills ev
 exit status to ``<log>.rc`` as it reaps it (the code, or minus the signal that killed it, as `subprocess` does).
 
     python -m dynatrain.forked_ranks SPEC.json
+
+A process that launches many jobs in turn (a test session, a benchmark's repeats) can keep one zygote for all of them
+(*serving*): it imports once, then reads one spec path per line from its stdin and answers each with the pid of a
+child that runs that launch as above, leading a process group of its own (the launch's: the child and its ranks) with
+its output in the spec's ``log``; the server writes the child's exit status to the spec's ``rc`` when it reaps it.
+It ends when its stdin closes and its launches have ended.
+
+    python -m dynatrain.forked_ranks --serve MODULE...
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -83,10 +92,14 @@ def _status(raw: int) -> int:
     return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
 
 
-def main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    for name in spec["preload"]:
-        importlib.import_module(name)
+def _write_status(path: str | Path, code: int) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(str(code))
+    os.replace(tmp, path)
+
+
+def _run_launch(spec: dict) -> int:
+    """Fork every rank of ``spec`` from this process and reap them, writing each one's status as it ends."""
     ranks = {}
     for rank in spec["ranks"]:
         pid = os.fork()
@@ -97,11 +110,83 @@ def main(spec_path: str) -> int:
         pid, raw = os.waitpid(-1, 0)
         rank = ranks.pop(pid, None)
         if rank is not None:
-            tmp = rc_path(rank["log"]).with_suffix(".rc.tmp")
-            tmp.write_text(str(_status(raw)))
-            os.replace(tmp, rc_path(rank["log"]))
+            _write_status(rc_path(rank["log"]), _status(raw))
     return 0
 
 
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    for name in spec["preload"]:
+        importlib.import_module(name)
+    return _run_launch(spec)
+
+
+def serve(preload: list[str]) -> int:
+    """Import ``preload``, then run each launch whose spec path arrives on stdin in a child of its own."""
+    for name in preload:
+        importlib.import_module(name)
+    running: dict[int, str] = {}  # pid of a launch -> where its status goes
+
+    def reap(*_) -> None:
+        while True:
+            try:
+                pid, raw = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in running:
+                _write_status(running.pop(pid), _status(raw))
+
+    signal.signal(signal.SIGCHLD, reap)
+    while line := sys.stdin.readline():
+        spec = json.loads(Path(line.strip()).read_text())
+        # A launch that ends before it is registered would find no entry in `reap`: hold SIGCHLD until it is.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        pid = os.fork()
+        if pid == 0:
+            _become_launch(spec)
+        try:
+            os.setpgid(pid, pid)  # as the child does: the group exists before its pid is answered, for a kill
+        except OSError:
+            pass  # it has already ended
+        running[pid] = spec["rc"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        print(pid, flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # no more requests: wait for the launches still running
+    while running:
+        try:
+            pid, raw = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid in running:
+            _write_status(running.pop(pid), _status(raw))
+    return 0
+
+
+def _become_launch(spec: dict) -> None:
+    """In a child of the server: a launch's own zygote, leading its own process group; never return."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this process reaps its ranks itself
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        os.setpgid(0, 0)
+        os.chdir(spec["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the ranks must not read the server's requests
+        os.close(null)
+        fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        code = _run_launch(spec)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        sys.exit(serve(sys.argv[2:]))
     sys.exit(main(sys.argv[1]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,7 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "dynatrain")
 def launch_local(
     argv: list[str], nprocs: int, workdir: Path, timeout: float = 600.0, env: dict[str, str] | None = None,
     name: str = "worker", grace: float = 2.0, may_die: Collection[int] = (), preload: Collection[str] = (),
+    keep_zygote: bool = False,
 ) -> list[dict | None]:
     """Run ``python <argv> --out <file>`` on ``nprocs`` ranks; return each rank's JSON result in rank order.
 
@@ -75,7 +77,9 @@ def launch_local(
     rank fails, the others get ``grace`` seconds to report their side of it first. Ranks in ``may_die`` are
     expected to be killed (fault injection): their exit is no failure and their result is None. With
     ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
-    (`dynatrain.forked_ranks`), where the platform can fork.
+    (`dynatrain.forked_ranks`), where the platform can fork. With ``keep_zygote`` that process outlives the launch and
+    forks every later one of this process with the same ``preload`` and environment (but for the store's address),
+    which then pays no imports at all: for a caller that launches many jobs in turn, as a test session does.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +89,7 @@ def launch_local(
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
     envs = [rank_env(rank, nprocs, port, env) for rank in range(nprocs)]
     if preload and hasattr(os, "fork"):
-        procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload)
+        procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload, keep_zygote)
     else:
         procs = []
         for rank in range(nprocs):
@@ -116,7 +120,7 @@ def launch_local(
     failed = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in may_die]
     if failed:
         forked = isinstance(procs[0], _ForkedRank)
-        zygote = log_tails([procs[0].zygote_log], "zygote", skip_empty=True) if forked else ""
+        zygote = log_tails(procs[0].zygote.logs(), "zygote", skip_empty=True) if forked else ""
         raise LaunchError(f"{name}: ranks {failed} failed\n" + log_tails(logs) + ("\n" + zygote if zygote else ""))
     return [json.loads(o.read_text()) if o.exists() and r not in may_die else None for r, o in enumerate(outs)]
 
@@ -124,7 +128,7 @@ def launch_local(
 def launch_elastic(
     argv: list[str], nprocs: int, workdir: Path, joiners: "int | list[list[str]]" = 0, timeout: float = 600.0,
     env: dict[str, str] | None = None, name: str = "elastic", grace: float = 2.0, may_die: Collection[int] = (),
-    joiners_may_die: bool = False, preload: Collection[str] = (),
+    joiners_may_die: bool = False, preload: Collection[str] = (), keep_zygote: bool = False,
 ) -> tuple[list[dict | None], list[dict | None]]:
     """An elastic job on this machine: the job's store, ``nprocs`` ranks, and joining processes.
 
@@ -132,8 +136,8 @@ def launch_elastic(
     admission (``DYNATRAIN_JOIN=1``); each scale-out admits as many as it needs. Returns (the ranks' results in
     rank order, the joiners' results). On a failure or timeout every process is killed and the error carries
     the tail of each one's log. Ranks in ``may_die`` (and every joiner, with ``joiners_may_die``) are expected
-    to be killed by a fault injection: their result is None. ``preload``: as for `launch_local`, for the ranks
-    (a joiner starts as a process of its own, as on a cluster).
+    to be killed by a fault injection: their result is None. ``preload`` and ``keep_zygote``: as for `launch_local`,
+    for the ranks (a joiner starts as a process of its own, as on a cluster).
     """
     import secrets
 
@@ -158,7 +162,7 @@ def launch_elastic(
                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         try:
             members = launch_local(argv, nprocs, workdir, timeout=timeout, env=env, name=name, grace=grace,
-                                   may_die=may_die, preload=preload)
+                                   may_die=may_die, preload=preload, keep_zygote=keep_zygote)
         except LaunchError as e:
             raise LaunchError(str(e) + log_tails(logs, "joiner")) from None
         # The joiners finish with the members' last collective; a grace covers their exit.
@@ -191,13 +195,13 @@ def teardown_distributed() -> None:
 
 
 class _ForkedRank:
-    """A rank forked by the zygote of `dynatrain.forked_ranks`, polled like a `subprocess.Popen`: its status is
-    the one the zygote wrote on reaping it; if the zygote is gone without writing one, the rank is gone too."""
+    """A rank forked by a zygote of `dynatrain.forked_ranks`, polled like a `subprocess.Popen`: its status is the one
+    the zygote wrote on reaping it; if the zygote's launch is gone without writing one, the rank is gone too."""
 
-    def __init__(self, zygote: subprocess.Popen, log: Path, zygote_log: Path) -> None:
+    def __init__(self, zygote: "_OwnZygote | _ServedLaunch", log: Path) -> None:
         from dynatrain.forked_ranks import rc_path
 
-        self.zygote, self.rc_file, self.zygote_log = zygote, rc_path(log), zygote_log
+        self.zygote, self.rc_file = zygote, rc_path(log)
         self.pid = zygote.pid  # the process group every rank is in
         self.returncode: int | None = None
 
@@ -205,8 +209,10 @@ class _ForkedRank:
         if self.returncode is None:
             if self.rc_file.exists():
                 self.returncode = int(self.rc_file.read_text())
-            elif self.zygote.poll() is not None and not self.rc_file.exists():
-                self.returncode = self.zygote.returncode or -signal.SIGKILL
+            else:
+                ended = self.zygote.poll()
+                if ended is not None and not self.rc_file.exists():
+                    self.returncode = ended or -signal.SIGKILL
         return self.returncode
 
     def wait(self) -> int:
@@ -214,27 +220,143 @@ class _ForkedRank:
         return self.poll()
 
     def close(self) -> None:
-        if self.zygote.poll() is None:
-            os.killpg(self.zygote.pid, signal.SIGKILL)
-        self.zygote.wait()
+        self.zygote.close()
+
+
+class _OwnZygote:
+    """The zygote of one launch: a process of its own (its pid is the launch's process group)."""
+
+    def __init__(self, spec_file: Path, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dynatrain.forked_ranks", str(spec_file)], env=env,
+                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def logs(self) -> list[Path]:
+        return [self.log]
+
+
+class _Server:
+    """A zygote kept for every launch of this process with its preload and environment (`forked_ranks.serve`)."""
+
+    def __init__(self, preload: Collection[str], env: dict[str, str]) -> None:
+        import atexit
+        import tempfile
+
+        self.log = Path(tempfile.mkdtemp(prefix="dynatrain-zygote-")) / "zygote.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "dynatrain.forked_ranks", "--serve", *preload],
+                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True,
+                                         start_new_session=True)
+        atexit.register(self.stop)
+
+    def start(self, spec_file: Path) -> int:
+        """Have the server fork the launch of ``spec_file``; its pid."""
+        try:
+            self.proc.stdin.write(f"{spec_file}\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            answer = ""
+        if not answer.strip().isdigit():
+            self.proc.wait()
+            raise LaunchError("the zygote that forks the ranks is gone\n" + log_tails([self.log], "zygote"))
+        return int(answer)
+
+    def stop(self, wait: bool = True) -> None:
+        """End the server: it ends by itself once its running launches have (``wait=False`` leaves it to that)."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        if not wait:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+_SERVERS: dict[tuple, _Server] = {}  # least recently used first
+KEPT_ZYGOTES = 2  # each holds torch and Lightning imported (about 0.5 GB resident)
+
+
+def _server(preload: Collection[str], env: dict[str, str]) -> _Server:
+    """The kept zygote for ``preload`` and ``env`` (started on first use, again if it died). Only the elastic store's
+    address and token, and pytest's name of the test it runs, tell one launch's environment from the next's; a change
+    in any other variable, which the imports may have read, gets a zygote of its own."""
+    from dynatrain.elastic.manager import ENDPOINT_ENV, TOKEN_ENV
+
+    per_launch = (ENDPOINT_ENV, TOKEN_ENV, "PYTEST_CURRENT_TEST")
+    key = (tuple(preload), tuple(sorted((k, v) for k, v in env.items() if k not in per_launch)))
+    server = _SERVERS.pop(key, None)
+    if server is None or server.proc.poll() is not None:
+        while len(_SERVERS) >= KEPT_ZYGOTES:
+            _SERVERS.pop(next(iter(_SERVERS))).stop(wait=False)
+        server = _Server(preload, env)
+    _SERVERS[key] = server
+    return server
+
+
+class _ServedLaunch:
+    """One launch forked by a kept zygote: its pid leads the launch's process group; the server writes its status."""
+
+    def __init__(self, server: _Server, spec_file: Path, rc_file: Path, log: Path) -> None:
+        self.server, self.rc_file, self.log = server, rc_file, log
+        self.pid = server.start(spec_file)
+
+    def poll(self) -> int | None:
+        if self.rc_file.exists():
+            return int(self.rc_file.read_text())
+        if self.server.proc.poll() is not None:  # no one left to reap it: it is gone with its server
+            return -signal.SIGKILL
+        return None
+
+    def wait(self) -> int:
+        while (code := self.poll()) is None:
+            time.sleep(0.02)
+        return code
+
+    def close(self) -> None:
+        if self.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.wait()
+
+    def logs(self) -> list[Path]:
+        return [self.log, self.server.log]
 
 
 def _fork_ranks(argv: list[str], envs: list[dict], outs: list[Path], logs: list[Path], stem: Path,
-                preload: Collection[str]) -> list[_ForkedRank]:
+                preload: Collection[str], keep: bool) -> list[_ForkedRank]:
     from dynatrain.forked_ranks import SINGLE_THREADED
 
-    spec = {"preload": list(preload),
+    zygote_log = Path(f"{stem}-zygote.log")
+    spec = {"preload": list(preload), "cwd": os.getcwd(), "log": str(zygote_log), "rc": f"{zygote_log}.rc",
             "ranks": [{"argv": [*argv, "--out", str(out)], "env": env, "log": str(log)}
                       for out, env, log in zip(outs, envs, logs)]}
-    spec_file, zygote_log = Path(f"{stem}-zygote.json"), Path(f"{stem}-zygote.log")
+    spec_file = Path(f"{stem}-zygote.json")
     spec_file.write_text(json.dumps(spec))
     zygote_env = {**envs[0], **SINGLE_THREADED}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
         zygote_env.pop(key, None)  # nothing imported may read a rank's identity
-    with open(zygote_log, "w") as log:
-        zygote = subprocess.Popen([sys.executable, "-m", "dynatrain.forked_ranks", str(spec_file)], env=zygote_env,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return [_ForkedRank(zygote, log, zygote_log) for log in logs]
+    if keep:
+        zygote = _ServedLaunch(_server(preload, zygote_env), spec_file, Path(spec["rc"]), zygote_log)
+    else:
+        zygote = _OwnZygote(spec_file, zygote_env, zygote_log)
+    return [_ForkedRank(zygote, log) for log in logs]
 
 
 def finish_rank(out: str | Path, result: dict) -> None:

@@ -16,7 +16,7 @@ def launch(script: str, nprocs: int, args: list[str], tmp_path: Path, timeout: f
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     try:
         return launch_local([str(WORKERS / script), *args], nprocs, tmp_path, timeout=timeout, env=env,
-                            name=Path(script).stem, preload=PRELOAD)
+                            name=Path(script).stem, preload=PRELOAD, keep_zygote=True)
     except LaunchError as e:
         raise AssertionError(str(e)) from None
 
@@ -33,7 +33,7 @@ def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, jo
     try:
         return launch_elastic_local([str(WORKERS / script), *args], nprocs, tmp_path, joiners=list(joiners),
                                     timeout=timeout, env=env, name=Path(script).stem, grace=grace,
-                                    may_die=may_die, preload=PRELOAD)
+                                    may_die=may_die, preload=PRELOAD, keep_zygote=True)
     except LaunchError as e:
         raise AssertionError(str(e)) from None
 

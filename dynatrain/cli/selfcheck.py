@@ -122,8 +122,9 @@ def run(args) -> int:
                 common += [f"--{flag}", getattr(args, flag)]
         try:
             switching = _run_switching(common, devices, worlds, joiners, Path(tmp), args.timeout)
+            # The switching run's zygote forks this one too (one import for both).
             static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static",
-                                  preload=PRELOAD)
+                                  preload=PRELOAD, keep_zygote=True)
         except LaunchError as e:
             print(f"selfcheck failed to run:\n{e}", file=sys.stderr)
             return 1
@@ -149,12 +150,13 @@ def _run_switching(common: list[str], devices: int, worlds: list[int], joiners: 
                    timeout: float) -> list[dict]:
     """Every process's result: the ranks of a fixed world, or an elastic job's members and joiners."""
     if all(w == devices for w in worlds):
-        return launch_local(common, devices, workdir, timeout=timeout, name="switching", preload=PRELOAD)
+        return launch_local(common, devices, workdir, timeout=timeout, name="switching", preload=PRELOAD,
+                            keep_zygote=True)
     # The collectives' timeout is bounded so that a process that died surfaces as an error, not a long hang;
     # a joiner may wait for its scale-out as long as the whole run.
     argv = [*common, "--elastic", "--elastic-timeout", str(min(timeout, 300.0)), "--join-timeout", str(timeout)]
     members, joined = launch_elastic(argv, devices, workdir, joiners=joiners, timeout=timeout, name="switching",
-                                     preload=PRELOAD)
+                                     preload=PRELOAD, keep_zygote=True)
     return members + joined
 
 

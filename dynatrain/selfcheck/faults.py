@@ -218,12 +218,12 @@ def _run_one(name: str, spec: dict, argv: list[str], workdir: Path, timeout: flo
     if "restart" not in spec:
         members, _ = launch_elastic(argv, spec["devices"], workdir, joiners=spec["joiners"], timeout=timeout,
                                     name=name, grace=120, may_die=spec["victims"], joiners_may_die=True,
-                                    preload=PRELOAD)
+                                    preload=PRELOAD, keep_zygote=True)
         return summarise(name, members, spec["steps"])
     # The fault must stop the job with a clear error, on every survivor, well within its timeout...
     try:
         launch_elastic(argv, spec["devices"], workdir, timeout=timeout, name=name, grace=120,
-                       may_die=spec["victims"], preload=PRELOAD)
+                       may_die=spec["victims"], preload=PRELOAD, keep_zygote=True)
         return {"scenario": name, "recovered": False, "steps_lost": None, "state_equal_to_committed": False,
                 "error": "the job went on after losing a leaver mid-transfer"}
     except LaunchError as e:
@@ -235,5 +235,5 @@ def _run_one(name: str, spec: dict, argv: list[str], workdir: Path, timeout: flo
     again = [*argv[:layouts], restart["layout"], *argv[layouts + 1:], "--restarted"]
     again.remove("--elastic")
     members = launch_local(again, restart["devices"], workdir, timeout=timeout, name=f"{name}-restart",
-                           preload=PRELOAD)
+                           preload=PRELOAD, keep_zygote=True)
     return summarise(name, members, spec["steps"])

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dynatrain.elastic.store import connect as connect_store
 from dynatrain.engine.verify import SwitchVerificationError
-from dynatrain.strategies.capture import check_switchable
+from dynatrain.strategies.capture import Captured, check_switchable
 from dynatrain.strategies.pipeline import check_pipeline_module
 from dynatrain.strategies.prepare import MemberPrep, free_working_bytes
 from dynatrain.strategies.recovery import WorldChangeError
@@ -81,15 +81,16 @@ def check_world(switcher: "Switcher", target: ParallelConfig, leave: tuple[int, 
         raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
 
 
-def _check_module(switcher: "Switcher", target: ParallelConfig, probe: bool = False) -> None:
+def _check_module(switcher: "Switcher", target: ParallelConfig, probe: bool = False) -> Captured | None:
     """Refuse now what the switch could not carry: the module's states, and its parallelisation for ``target``
-    (run on meta; the result is kept for the switch)."""
+    (run on meta; the result is kept for the switch). Returns the states it captured (None before set-up)."""
     strategy = switcher.strategy
     if getattr(strategy, "lightning_module", None) is None:
-        return  # nothing set up yet: the module is checked when the switch runs
+        return None  # nothing set up yet: the module is checked when the switch runs
     check_switchable(strategy.lightning_module, strategy.optimizers)
     captured = capture_states(switcher, strategy.lightning_module, switcher.optimizer())
     switcher.targets.check(target, captured, probe=probe)
+    return captured
 
 
 def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: bool = False,
@@ -99,13 +100,13 @@ def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: 
     check_world(switcher, parsed, leave)
     target = check_target(switcher, parsed, world_size=parsed.world_size)
     changes_world = parsed.world_size != switcher.strategy.world_size or bool(leave)
-    _check_module(switcher, target, probe=changes_world)
+    captured = _check_module(switcher, target, probe=changes_world)
     switcher.pending = p = Pending(target, leave, time.monotonic(), wait, plan_ahead)
     switcher.prepared = None
     if switcher.trainer is None or not switcher.trainer.training:
         run_pending(switcher)
     elif plan_ahead and changes_world:
-        _prepare(switcher, p)  # a request made inside a step may be planned by its end
+        _prepare(switcher, p, captured)  # a request made inside a step may be planned by its end
     return target
 
 
@@ -206,10 +207,11 @@ def _intent_store(switcher: "Switcher"):
     return lambda: connect_store(manager.endpoint, manager.token, timeout=manager.config.timeout)
 
 
-def _prepare(switcher: "Switcher", p: Pending) -> None:
+def _prepare(switcher: "Switcher", p: Pending, captured: Captured | None = None) -> None:
     """While a scale-out waits for its joiners, or a change planned ahead trains on: plan it in the background, for
-    whichever joiners come (see `prepare`). Only a change with joiners publishes its intent for them."""
-    inputs = change_inputs(switcher, p.target, p.leave, None)
+    whichever joiners come (see `prepare`). Only a change with joiners publishes its intent for them. ``captured``:
+    this rank's states as the request just captured them, if it did."""
+    inputs = change_inputs(switcher, p.target, p.leave, None, captured)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
         strategy = switcher.strategy
         if not inputs.joiners:

@@ -7,6 +7,12 @@ import signal
 import sys
 import time
 
+def zygote_parent() -> int:
+    """The parent of this rank's parent: the process that forks the zygote of each launch, or the launcher itself."""
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -26,5 +32,5 @@ if __name__ == "__main__":
     Path(args.out).write_text(json.dumps({
         "rank": rank, "world": os.environ["WORLD_SIZE"], "argv0": os.path.basename(sys.argv[0]), "argv": sys.argv[1:],
         "main_file": os.path.basename(main.__file__), "path0": sys.path[0], "probe_env": os.environ.get("PROBE"),
-        "preloaded": "xml.dom.minidom" in sys.modules,
+        "preloaded": "xml.dom.minidom" in sys.modules, "zygote_parent": zygote_parent(),
     }))
