@@ -98,19 +98,33 @@ def _write_status(path: str | Path, code: int) -> None:
     os.replace(tmp, path)
 
 
+def _reap(running: dict[int, str | Path], block: bool) -> bool:
+    """Reap ended children, writing the status of each one in ``running`` (pid -> its status file) and dropping it:
+    with ``block``, wait for one child to end; without, take every child that has. False once no child is left."""
+    while True:
+        try:
+            pid, raw = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+        path = running.pop(pid, None)
+        if path is not None:
+            _write_status(path, _status(raw))
+        if block:
+            return True
+
+
 def _run_launch(spec: dict) -> int:
     """Fork every rank of ``spec`` from this process and reap them, writing each one's status as it ends."""
-    ranks = {}
+    running = {}
     for rank in spec["ranks"]:
         pid = os.fork()
         if pid == 0:
             _run_rank(rank)
-        ranks[pid] = rank
-    while ranks:
-        pid, raw = os.waitpid(-1, 0)
-        rank = ranks.pop(pid, None)
-        if rank is not None:
-            _write_status(rc_path(rank["log"]), _status(raw))
+        running[pid] = rc_path(rank["log"])
+    while running and _reap(running, block=True):
+        pass
     return 0
 
 
@@ -126,22 +140,10 @@ def serve(preload: list[str]) -> int:
     for name in preload:
         importlib.import_module(name)
     running: dict[int, str] = {}  # pid of a launch -> where its status goes
-
-    def reap(*_) -> None:
-        while True:
-            try:
-                pid, raw = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if pid in running:
-                _write_status(running.pop(pid), _status(raw))
-
-    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGCHLD, lambda *_: _reap(running, block=False))
     while line := sys.stdin.readline():
         spec = json.loads(Path(line.strip()).read_text())
-        # A launch that ends before it is registered would find no entry in `reap`: hold SIGCHLD until it is.
+        # A launch that ends before it is registered would find no entry in `_reap`: hold SIGCHLD until it is.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         pid = os.fork()
         if pid == 0:
@@ -154,13 +156,8 @@ def serve(preload: list[str]) -> int:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(pid, flush=True)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # no more requests: wait for the launches still running
-    while running:
-        try:
-            pid, raw = os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
-        if pid in running:
-            _write_status(running.pop(pid), _status(raw))
+    while running and _reap(running, block=True):
+        pass
     return 0
 
 

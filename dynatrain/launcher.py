@@ -78,8 +78,9 @@ def launch_local(
     expected to be killed (fault injection): their exit is no failure and their result is None. With
     ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
     (`dynatrain.forked_ranks`), where the platform can fork. With ``keep_zygote`` that process outlives the launch and
-    forks every later one of this process with the same ``preload`` and environment (but for the store's address),
-    which then pays no imports at all: for a caller that launches many jobs in turn, as a test session does.
+    forks every later one of this process with the same ``preload`` and environment (but for the store's address
+    and pytest's test name, `_server`), which then pays no imports at all: for a caller that launches many jobs in
+    turn, as a test session does.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
