@@ -113,7 +113,7 @@ def launch_local(
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_group(p.pid)
                 p.wait()
         for p in procs:
             getattr(p, "close", lambda: None)()
@@ -177,9 +177,18 @@ def launch_elastic(
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_group(p.pid)
                 p.wait()
         store.stop()
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads. A group whose last process has just ended (reaped between the check
+    that it runs and this kill: a served launch's zygote, whose status its server is still writing) is no error."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def teardown_distributed() -> None:
@@ -242,7 +251,7 @@ class _OwnZygote:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
+            kill_group(self.pid)
         self.proc.wait()
 
     def logs(self) -> list[Path]:
@@ -333,7 +342,7 @@ class _ServedLaunch:
 
     def close(self) -> None:
         if self.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
+            kill_group(self.pid)
             self.wait()
 
     def logs(self) -> list[Path]:

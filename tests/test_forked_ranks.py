@@ -94,3 +94,24 @@ def test_at_most_two_zygotes_are_kept_and_the_least_recently_used_one_ends(tmp_p
     kept = [s.proc.pid for s in launcher._SERVERS.values()]
     assert launcher.KEPT_ZYGOTES == 2 and kept == [parents[0], parents[3]] and parents[2] == parents[0]
     wait_for(lambda: ended(parents[1]))
+
+
+def test_closing_a_served_launch_whose_group_just_ended_waits_for_its_status(tmp_path):
+    """The server reaps a launch's zygote, then writes its status: a close in between finds no group to kill."""
+    import subprocess
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from dynatrain.launcher import _ServedLaunch
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    ended.wait()  # reaped: its process group is gone
+    launch = object.__new__(_ServedLaunch)
+    launch.server = SimpleNamespace(proc=SimpleNamespace(poll=lambda: None))  # a server still running
+    launch.pid, launch.rc_file = ended.pid, tmp_path / "zygote.log.rc"
+    writer = threading.Timer(0.3, lambda: launch.rc_file.write_text("0"))
+    writer.start()
+    launch.close()
+    writer.join()
+    assert launch.poll() == 0
