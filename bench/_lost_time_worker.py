@@ -120,8 +120,8 @@ class Decide(pl.Callback):
         if trainer.global_rank == 0:
             (self.signal_dir / f"decided-{i}").write_text(str(time.time()))
         if self.mode == "online":
-            # The boundary hook after this callback runs it, or a later one: a scale-out trains on until its new
-            # processes are ready, a scale-in until its plan is.
+            # A later boundary runs it: a scale-out trains on until its new processes are ready, a scale-in for one
+            # more step while it is planned.
             trainer.strategy.request_switch(self.targets[i + 1], plan_ahead=True)
             return
         t0 = time.time()

@@ -11,8 +11,8 @@ ways (`bench/_lost_time_worker.py`):
   next one and load the checkpoint in place (what an in-process restart would do); only the processes a scale-out
   adds are new.
 * **online**: one elastic dynatrain job; at the decision it requests the switch with ``plan_ahead=True`` (a
-  scale-out goes on training on the old world until its new processes are ready, a scale-in until its plan, made in
-  the background, is).
+  scale-out goes on training on the old world until its new processes are ready, a scale-in for one more step while
+  its plan is made in the background).
 
 **Lost time** of the change decided at the end of step k:
 ``T(end of step k+m) - T0 - m * median step of the new world`` with ``T0`` the earlier of the end of step k and the

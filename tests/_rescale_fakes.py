@@ -64,6 +64,18 @@ class WaitingFakeStrategy(FakeStrategy):
         return target
 
 
+class AheadFakeStrategy(WaitingFakeStrategy):
+    """One whose request_switch also takes ``plan_ahead``, as DynaTrainStrategy's does."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.ahead: list[bool] = []
+
+    def request_switch(self, target, leave=(), wait=False, plan_ahead=False):
+        self.ahead.append(plan_ahead)
+        return super().request_switch(target, leave, wait)
+
+
 def fake_report(step: int, old: str, new: str) -> SwitchReport:
     return SwitchReport(step=step, old_layout=old, new_layout=new, world_size=ParallelConfig.parse(new).world_size,
                         bytes_total=4096, bytes_moved=1024, bytes_moved_identity=2048, rounds=1, rank_map=[0, 1],

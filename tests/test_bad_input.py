@@ -40,7 +40,7 @@ def _switcher(world: int = 4, model=DEBUG, global_batch: int = 6, micro_batch: i
     strategy = SimpleNamespace(world_size=world, model_config=lambda: model, elastic=elastic)
     switcher = Switcher(strategy)
     data = LlamaDataModule(seq_len=32, global_batch_size=global_batch, micro_batch_size=micro_batch)
-    switcher.trainer = SimpleNamespace(training=True, datamodule=data)  # mid-training: requests are queued
+    switcher.trainer = SimpleNamespace(training=True, global_step=0, datamodule=data)  # mid-training: requests are queued
     return switcher
 
 

@@ -24,7 +24,8 @@ def _recipe(tmp_path: Path) -> Path:
     trainer["strategy"]["init_args"]["parallel"] = "dp_shard=2"
     elastic = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ElasticCallback"))
     # wait: the scale-out holds training at step 2 until the standby is ready, so the switches below come at steps
-    # 2 and 4 however long the standby takes to start.
+    # 2 and 5 however long the standby takes to start (the scale-in decided at step 4 is planned ahead while step 5
+    # trains).
     elastic["init_args"].update(trace=[{"step": 2, "devices": 3, "wait": True}, {"step": 4, "devices": 2}],
                                 max_devices=3)
     snapshot = next(c for c in trainer["callbacks"] if c["class_path"].endswith("Snapshot"))
@@ -51,8 +52,9 @@ def test_elastic_launcher_scales_out_through_a_standby_dynatrain_join(tmp_path):
     jsonl = list((tmp_path / "run").rglob("switches.jsonl"))
     assert len(jsonl) == 1, out[-3000:]
     records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
-    assert [(r["step"], r["old_world_size"], r["world_size"]) for r in records] == [(2, 2, 3), (4, 3, 2)]
+    assert [(r["step"], r["old_world_size"], r["world_size"]) for r in records] == [(2, 2, 3), (5, 3, 2)]
     assert records[0]["decision"]["request"] == "devices=3 wait"
+    assert records[1]["decision"]["step"] == 4 and records[1]["prepared"]
     # The process that left at 3 -> 2 stayed as the standby: the launcher never had to start another one.
     assert "left the job; it waits as a standby process" in out, out[-4000:]
     assert out.count("dynatrain elastic job: standby process") == 1, out[-4000:]

@@ -19,7 +19,7 @@ from dynatrain.signals.agreement import MergedRequest
 from dynatrain.signals.request import ScaleRequest
 from dynatrain.vps.parallel_config import ParallelConfig
 from tests._rescale_fakes import (
-    DEBUG, ElasticFakeStrategy, FakeStrategy, RecordingLogger, WaitingFakeStrategy, fake_trainer,
+    DEBUG, AheadFakeStrategy, ElasticFakeStrategy, FakeStrategy, RecordingLogger, WaitingFakeStrategy, fake_trainer,
 )
 
 
@@ -135,6 +135,28 @@ def test_a_waiting_trace_entry_asks_the_strategy_to_hold_training_for_its_joiner
     cb = _started(ElasticCallback(trace=trace[:1], max_devices=4, log_dir=str(tmp_path / "older")), trainer)
     _step(cb, trainer, 1)
     assert [ParallelConfig.parse(t).world_size for t, _ in older.requests] == [4]
+    cb.close()
+
+
+def test_switches_are_planned_ahead_unless_a_deadline_or_the_option_says_no(tmp_path):
+    strategy = AheadFakeStrategy("dp_shard=4", world=4)
+    trainer = fake_trainer(strategy, tmp_path)
+    cb = _started(ElasticCallback(trace=[(1, "dp_shard=2,tp=2"), (2, 2)], log_dir=str(tmp_path)), trainer)
+    for step in (1, 2):
+        _step(cb, trainer, step)
+    # A preempted rank must be gone before its deadline: that request switches where it is agreed.
+    cb.hub.submit(ScaleRequest(leave=(1,), source="preemption", deadline=time.monotonic() + 30))
+    _step(cb, trainer, 3)
+    assert [(d.step, d.action, d.source) for d in cb.decisions] == [
+        (1, "switch", "trace"), (2, "switch", "trace"), (3, "switch", "preemption")]
+    assert strategy.ahead == [True, True, False]
+    cb.close()
+    strategy = AheadFakeStrategy("dp_shard=4", world=4)
+    trainer = fake_trainer(strategy, tmp_path / "off")
+    cb = _started(ElasticCallback(trace=[(1, "dp_shard=2,tp=2")], plan_ahead=False, log_dir=str(tmp_path / "off")),
+                  trainer)
+    _step(cb, trainer, 1)
+    assert strategy.ahead == [False]
     cb.close()
 
 

@@ -29,14 +29,14 @@ def _finite(losses: list[float]) -> bool:
 @pytest.mark.timeout(240)
 def test_trace_switches_and_back_with_reports_in_csv_jsonl_and_wandb(tmp_path):
     # Step 2: an explicit layout; step 4: a device count on the same world, which the planner turns back into
-    # data parallelism because it pays.
+    # data parallelism because it pays. Each is planned while one more step trains and runs at its end.
     results = _launch(tmp_path, "--trace", json.dumps([[2, "tp=2"], [4, 2]]), "--steps", "6", "--wandb",
                       "--progress-bar")
     for res in results:
         assert res["global_step"] == 6 and len(res["losses"]) == 6 and _finite(res["losses"])
         assert [(r["step"], r["old_layout"], r["new_layout"]) for r in res["reports"]] == [
-            (2, "dp_shard=2", "tp=2"), (4, "tp=2", "dp_shard=2")]
-        assert all(r["verified"] for r in res["reports"])
+            (3, "dp_shard=2", "tp=2"), (5, "tp=2", "dp_shard=2")]
+        assert all(r["verified"] and r["prepared"] for r in res["reports"])
         assert [(d["step"], d["action"], d["source"]) for d in res["decisions"]] == [
             (2, "switch", "trace"), (4, "switch", "trace")]
         assert res["layout"] == "dp_shard=2"
@@ -44,15 +44,16 @@ def test_trace_switches_and_back_with_reports_in_csv_jsonl_and_wandb(tmp_path):
     assert results[0]["bar_layout"] == "dp_shard=2"
     log_dir = Path(results[0]["log_dir"])
     records = read_switches(log_dir / JSONL_NAME)
-    assert len(records) == 2 and all(RECORD_FIELDS <= set(r) for r in records)
+    assert len(records) == 2 and all(RECORD_FIELDS <= set(r) and r["prepared"] for r in records)
     assert records[1]["decision"]["request"] == "devices=2" and "pays" not in records[1]["decision"]["reason"]
     assert "planner, 2 device(s): switch: dp_shard=2 saves" in records[1]["decision"]["reason"]
     assert {"plan", "transfer", "adopt"} <= set(records[0]["phases"])
     with open(log_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     switch_rows = {int(r["step"]): r for r in rows if r.get("switch/stall_s")}
-    assert sorted(switch_rows) == [2, 4] and float(switch_rows[2]["switch/stall_s"]) > 0
-    assert switch_rows[2]["switch/verified"] == "1.0" and float(switch_rows[2]["switch/bytes_moved"]) > 0
+    assert sorted(switch_rows) == [3, 5] and float(switch_rows[3]["switch/stall_s"]) > 0
+    assert switch_rows[3]["switch/verified"] == "1.0" and float(switch_rows[3]["switch/bytes_moved"]) > 0
+    assert switch_rows[3]["switch/prepared"] == "1.0"
     (wandb_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     data = wandb_file.read_bytes()
     for key in (b"switch/stall_s", b"switch/bytes_moved_identity", b"switch/transfer_s", b"switch/table"):
@@ -74,7 +75,7 @@ def test_control_command_needs_the_token_and_a_malformed_file_is_rejected(tmp_pa
     assert rejected[1][0] == "file" and "Expecting ',' delimiter" in rejected[1][1]
     for res in results:
         assert res["global_step"] == 5 and _finite(res["losses"])
-        assert [(r["step"], r["new_layout"]) for r in res["reports"]] == [(1, "tp=2"), (3, "dp_shard=2")]
+        assert [(r["step"], r["new_layout"]) for r in res["reports"]] == [(2, "tp=2"), (4, "dp_shard=2")]
         assert [(d["step"], d["source"], d["action"]) for d in res["decisions"]] == [
             (1, "control", "switch"), (3, "file", "switch")]
     control = json.loads((Path(rank0["log_dir"]) / "control.json").read_text())

@@ -53,6 +53,22 @@ def test_bad_requests_are_refused_and_a_mid_step_request_waits(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b)
 
 
+def test_a_switch_planned_ahead_runs_at_the_same_boundary_from_its_background_plan(tmp_path):
+    # Requested inside a step (the first micro-batch of steps 2 and 4), each switch runs at the end of that step
+    # either way; planned ahead, its plan was made on a thread while the step trained, and nothing else differs.
+    common = ["--layout", "dp_shard=2", "--steps", "5", "--global-batch", "2", "--micro-batch", "1"]
+    ahead = launch("switch.py", 2, [*common, "--switches", "1:tp=2:ahead;3:dp_shard=2:ahead"], tmp_path / "ahead")
+    now = launch("switch.py", 2, [*common, "--switches", "1:tp=2;3:dp_shard=2"], tmp_path / "now")
+    for a, b in zip(ahead, now):
+        assert [(r["step"], r["new_layout"], r["verified"]) for r in a["reports"]] == \
+            [(r["step"], r["new_layout"], r["verified"]) for r in b["reports"]] == [(2, "tp=2", True),
+                                                                                  (4, "dp_shard=2", True)]
+        assert [r["prepared"] for r in a["reports"]] == [True, True]
+        assert [r["prepared"] for r in b["reports"]] == [False, False]
+        assert [r["rounds"] for r in a["reports"]] == [r["rounds"] for r in b["reports"]]
+        assert a["losses"] == b["losses"] and len(a["losses"]) == 5
+
+
 def test_ten_switches_do_not_grow_memory(tmp_path):
     # A short guard in CI; bench/soak.py runs 200 switches on 4 processes.
     switches = ";".join(f"{k}:{'tp=2' if k % 2 else 'dp_shard=2'}" for k in range(1, 11))

@@ -7,7 +7,9 @@ request (`dynatrain.signals.agreement`), which turns into a target layout (`dyna
 * an explicit layout is taken as it is; a device count (or, for a bare preemption, the current world minus the
   leaving ranks) goes to the layout planner, which on the same device count switches only when it pays;
 * the target goes to ``strategy.request_switch``; anything the planner or the strategy refuses is logged and
-  recorded, and training goes on.
+  recorded, and training goes on. By default the switch is planned ahead: its plan is made on a background thread
+  while one more step trains, and the switch runs at the end of that step, so the plan is not in the stall. A
+  request with a deadline (a preemption notice) switches at the boundary where it was agreed.
 
     trainer = Trainer(strategy=DynaTrainStrategy(parallel="dp_shard=4"),
                       callbacks=[ElasticCallback(trace=[(100, 2), (300, "dp_shard=2,tp=2")], control=True)])
@@ -72,6 +74,10 @@ class ElasticCallback(pl.Callback):
             the devices as the layout planner sees them; defaults describe CPU processes on one machine
             (``devices_per_node`` None: all on one node).
         log_dir: run directory for ``switches.jsonl`` and ``control.json``; default the trainer's log dir.
+        plan_ahead: plan an agreed switch on a background thread and run it one optimizer step later, at the end of
+            the step trained meanwhile (``request_switch(..., plan_ahead=True)``), instead of planning it inside the
+            stall at the boundary where it was agreed. A request with a deadline (a preemption) never waits. A
+            scale-out is planned in the background either way, while its joiners get ready.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class ElasticCallback(pl.Callback):
         intra_node_gbps: float = 20.0,
         inter_node_gbps: float = 10.0,
         log_dir: str | None = None,
+        plan_ahead: bool = True,
     ) -> None:
         if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) \
                 or check_every_n_steps < 1:
@@ -109,6 +116,7 @@ class ElasticCallback(pl.Callback):
                                 intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps)
         self.devices_for(1)  # check the device description now
         self.log_dir = log_dir
+        self.plan_ahead = bool(plan_ahead)
         self.decisions: list[Decision] = []
         self.switch_log: SwitchLog | None = None
         self.control_server: ControlServer | None = None
@@ -335,6 +343,10 @@ class ElasticCallback(pl.Callback):
             # Only a world change has joiners to wait for; a strategy that cannot change worlds is never asked.
             if merged.wait and can_change_world and accepts_keyword(strategy.request_switch, "wait"):
                 options["wait"] = True
+            # A deadline leaves no step to spare: the preempted process must be gone before it.
+            if self.plan_ahead and merged.deadline_in is None \
+                    and accepts_keyword(strategy.request_switch, "plan_ahead"):
+                options["plan_ahead"] = True
             target = strategy.request_switch(plan.target, **options)
         except ValueError as err:
             return Decision(action="reject", reason=str(err), **base)

@@ -97,6 +97,7 @@ def switch_record(report: Any, decision: Mapping | None = None) -> dict:
         "rounds": d.get("rounds"),
         "rank_map": d.get("rank_map"),
         "verified": d.get("verified"),
+        "prepared": bool(d.get("prepared")),
         "decision": dict(decision) if decision else None,
     }
     for key in ("expert_imbalance", "expert_imbalance_per_layer"):  # kept when a jsonl line is read back

@@ -397,9 +397,10 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         ``leave`` names ranks that must go (others are chosen by the planner when the target is smaller);
         a larger target waits at step boundaries for enough ready joiners (`dynatrain join`), training on
         meanwhile, or, with ``wait=True``, holds training at the next boundary until they are ready (dropped after
-        the elastic ``join_timeout`` either way). With ``plan_ahead=True``, a world change that needs no joiners
-        (a scale-in) is planned in the background from the request on and runs at the first boundary where its plan
-        is ready, training on the old world meanwhile: the plan leaves the stall, at the cost of a step or so later.
+        the elastic ``join_timeout`` either way). With ``plan_ahead=True``, a switch that needs no joiners (a
+        scale-in, a re-layout of the same processes) is planned in the background from the request on and runs at
+        the end of the next optimizer step (of the current one for a request made inside a step), training on the
+        old layout meanwhile: the plan leaves the stall, at the cost of a step later.
         """
         return self._switcher.request(target, leave, wait, plan_ahead)
 

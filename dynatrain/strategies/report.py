@@ -34,7 +34,7 @@ class SwitchReport:
     verified: bool | None
     phases: dict[str, float] = field(default_factory=dict)
     old_world_size: int | None = None
-    prepared: bool = False  # a world change planned in the background while training went on
+    prepared: bool = False  # planned in the background while training went on (a scale-out, or plan_ahead)
     # torch.compile of the target's blocks, None when off: compiled at the first step on the new layout (it needs the
     # moved weights), outside the stall; filled in as that step runs.
     compile_s: float | None = None

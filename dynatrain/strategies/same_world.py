@@ -5,11 +5,16 @@ Every rank runs the same stages on the same inputs, so every collective matches:
 -> plan (pure, identical everywhere) -> build the new mesh (the same group calls in the same order everywhere)
 and the target on meta -> release the old shards to the engine -> move -> adopt weights, optimizer state,
 schedules and data position -> verify bitwise (optional) -> report.
+
+A request planned ahead has its plan made on a background thread from the states captured at the request
+(`InWorldPrep`); the switch takes it when what it would plan from is still the same, which a training step does
+not change (it moves values, not shapes or placements).
 """
 
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynatrain import engine
@@ -18,18 +23,76 @@ from dynatrain.memory import release_freed_memory, resident_bytes
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.strategies.adopt import adopt_module
 from dynatrain.strategies.capture import capture
-from dynatrain.strategies.prepare import plan_mesh_safe
+from dynatrain.planner.schedule import SwitchPlan
+from dynatrain.strategies.prepare import Background, plan_mesh_safe
 from dynatrain.strategies.report import PhaseTimer, SwitchReport, check_unchanged, publish_report
-from dynatrain.strategies.states import capture_agreed, keep_states, release_module
-from dynatrain.vps.layout import Layout
+from dynatrain.strategies.states import capture_agreed, capture_states, keep_states, release_module
+from dynatrain.vps.layout import Layout, StateSpec
+from dynatrain.vps.placement import Sharding
 from dynatrain.vps.parallel_config import ParallelConfig
 
 if TYPE_CHECKING:
     from dynatrain.strategies.switcher import Switcher
 
 
+@dataclass(frozen=True)
+class InWorldInputs:
+    """Everything a switch within the world plans from."""
+
+    specs: tuple[StateSpec, ...]
+    old_shardings: tuple[Sharding, ...]
+    new_shardings: tuple[Sharding, ...]
+    old: ParallelConfig
+    positions: tuple[int, ...]  # old mesh position -> rank
+    target: ParallelConfig
+    rank_map: str | tuple[int, ...]
+    budget: int
+
+
+def in_world_inputs(switcher: "Switcher", target: ParallelConfig, captured=None, *, rank_map: str | None = None,
+                    budget_mb: float | None = None) -> InWorldInputs:
+    strategy = switcher.strategy
+    if captured is None:
+        captured = capture_states(switcher, strategy.lightning_module, switcher.optimizer())
+    # probe=True: read the target's placements without taking the build the request kept for the switch.
+    new_shardings, _ = switcher.targets.shardings(target, captured, probe=True)
+    rank_map = rank_map or strategy.rank_map
+    budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
+    old = strategy.parallel_config
+    positions = range(old.world_size) if strategy.positions is None else strategy.positions
+    return InWorldInputs(tuple(captured.specs), tuple(captured.shardings), tuple(new_shardings),
+                         old, tuple(int(r) for r in positions), target,
+                         rank_map if isinstance(rank_map, str) else tuple(rank_map), budget)
+
+
+def plan_in_world(inputs: InWorldInputs) -> tuple[SwitchPlan, Layout]:
+    """The plan and the old layout it starts from."""
+    old_layout = Layout.from_shardings(inputs.specs, inputs.old_shardings, inputs.old, rank_map=list(inputs.positions))
+    new_layout = Layout.from_shardings(inputs.specs, inputs.new_shardings, inputs.target)
+    rank_map = inputs.rank_map if isinstance(inputs.rank_map, str) else list(inputs.rank_map)
+    plan, _ = plan_mesh_safe(
+        lambda order: plan_switch(old_layout, new_layout, rank_map=order or rank_map, budget_bytes=inputs.budget),
+        lambda plan: list(plan.new.rank_map), inputs.target)
+    return plan, old_layout
+
+
+class InWorldPrep:
+    """A switch within the world, planned on its own thread."""
+
+    def __init__(self, inputs: InWorldInputs) -> None:
+        self.inputs = inputs
+        self._plan = Background(inputs, lambda: plan_in_world(inputs), "dynatrain-plan-in-world")
+
+    def done(self) -> bool:
+        return self._plan.done()
+
+    def plan(self) -> tuple[SwitchPlan, Layout]:
+        return self._plan.result()
+
+
 def switch_in_world(switcher: "Switcher", target: str | ParallelConfig, *, rank_map: str | None = None,
-                    budget_mb: float | None = None) -> SwitchReport:
+                    budget_mb: float | None = None, prepared=None) -> SwitchReport:
+    """``prepared``: the request's plan made ahead (`InWorldPrep`), used when its inputs still hold."""
     switcher.require_boundary()
     timer = PhaseTimer()
     footprint = resident_bytes()  # the old layout's, its steps' working memory included
@@ -37,13 +100,13 @@ def switch_in_world(switcher: "Switcher", target: str | ParallelConfig, *, rank_
     target = switcher.check(target)
     module, optimizer, captured = capture_agreed(switcher)
     old_cfg, rank = strategy.parallel_config, strategy.global_rank
-    budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
-    old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=strategy.positions)
-    target_layout, probe = switcher.targets.layout(target, captured)
-    plan, _ = plan_mesh_safe(
-        lambda order: plan_switch(old_layout, target_layout, rank_map=order or rank_map or strategy.rank_map,
-                                  budget_bytes=budget),
-        lambda plan: list(plan.new.rank_map), target)
+    # The build on the target's mesh in the default rank order: the one the request made, or made now.
+    _, probe = switcher.targets.shardings(target, captured)
+    inputs = in_world_inputs(switcher, target, captured, rank_map=rank_map, budget_mb=budget_mb)
+    if isinstance(prepared, InWorldPrep) and prepared.inputs == inputs:
+        plan, old_layout = prepared.plan()
+    else:
+        plan, old_layout, prepared = *plan_in_world(inputs), None
     engine.validate_sources(plan, rank, captured.sources)
     timer.lap("plan")
 
@@ -76,4 +139,5 @@ def switch_in_world(switcher: "Switcher", target: str | ParallelConfig, *, rank_
                                    old_cfg, target)
         timer.lap("verify")
     trimmed = release_freed_memory(footprint)
-    return publish_report(switcher, plan, old_cfg, target, positions, stats, verified, timer, heap_trimmed=trimmed)
+    return publish_report(switcher, plan, old_cfg, target, positions, stats, verified, timer,
+                          prepared=prepared is not None, heap_trimmed=trimmed)

@@ -1,8 +1,10 @@
 """Switch requests: checked at once (a bad target raises ValueError and nothing changes), queued, and run at an
 optimizer-step boundary; a scale-out waits there, across boundaries, until enough joiners are ready, and is planned
-in the background meanwhile (`prepare`). A world change that needs no joiners can be planned ahead the same way
-(``plan_ahead``): its plan starts at the request and the switch runs at the first boundary where it is ready, so the
-plan is not in the stall, and the steps trained meanwhile on the old world are not lost."""
+in the background meanwhile (`prepare`). Any other switch can be planned ahead the same way (``plan_ahead``): its
+plan starts at the request, on a background thread, and the switch runs at the end of the next optimizer step, so
+the plan is not in the stall and the step trained meanwhile on the old layout is not lost. Which boundary that is
+follows from the step count alone, the same on every rank whatever its plan's progress (a plan not done by then is
+waited for there)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dynatrain.strategies.pipeline import check_pipeline_module
 from dynatrain.strategies.prepare import MemberPrep, free_working_bytes
 from dynatrain.strategies.recovery import WorldChangeError
 from dynatrain.strategies.report import SwitchReport
-from dynatrain.strategies.same_world import switch_in_world
+from dynatrain.strategies.same_world import InWorldPrep, in_world_inputs, switch_in_world
 from dynatrain.strategies.states import capture_states
 from dynatrain.strategies.world_switch import WorldSwitch, change_inputs
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -35,7 +37,8 @@ class Pending:
     leave: tuple[int, ...]
     requested_at: float
     wait: bool = False  # a scale-out holds training at its boundary until its joiners are ready (or time out)
-    plan_ahead: bool = False  # a change without joiners runs at the first boundary where its background plan is ready
+    plan_ahead: bool = False  # planned from the request on, run at the end of the next optimizer step
+    requested_step: int | None = None  # the trainer's global step at the request, while it trains
 
 
 def check_target(switcher: "Switcher", target: str | ParallelConfig, world_size: int | None = None
@@ -101,13 +104,21 @@ def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: 
     target = check_target(switcher, parsed, world_size=parsed.world_size)
     changes_world = parsed.world_size != switcher.strategy.world_size or bool(leave)
     captured = _check_module(switcher, target, probe=changes_world)
-    switcher.pending = p = Pending(target, leave, time.monotonic(), wait, plan_ahead)
+    trainer = switcher.trainer
+    training = trainer is not None and trainer.training
+    switcher.pending = p = Pending(target, leave, time.monotonic(), wait, plan_ahead,
+                                   trainer.global_step if training else None)
     switcher.prepared = None
-    if switcher.trainer is None or not switcher.trainer.training:
+    if not training:
         run_pending(switcher)
-    elif plan_ahead and changes_world:
-        _prepare(switcher, p, captured)  # a request made inside a step may be planned by its end
+    elif plan_ahead:
+        _prepare(switcher, p, captured)
     return target
+
+
+def _due(switcher: "Switcher", p: Pending) -> bool:
+    """Whether a request may run at this boundary: one planned ahead only once an optimizer step ended after it."""
+    return not p.plan_ahead or p.requested_step is None or switcher.trainer.global_step > p.requested_step
 
 
 def run_pending(switcher: "Switcher") -> SwitchReport | None:
@@ -117,9 +128,13 @@ def run_pending(switcher: "Switcher") -> SwitchReport | None:
         return None
     strategy = switcher.strategy
     if p.target.world_size == strategy.world_size and not p.leave:
+        if not _due(switcher, p):
+            _prepare(switcher, p)
+            return None
         switcher.pending = None
+        prepared, switcher.prepared = switcher.prepared, None
         with _refusable(switcher, p):
-            return switch_in_world(switcher, p.target)
+            return switch_in_world(switcher, p.target, prepared=prepared)
         return None
     change = f"world change {strategy.parallel_config.short()} -> {p.target.short()}"
     try:
@@ -172,11 +187,7 @@ def _agree_on_joiners(switcher: "Switcher", p: Pending):
     strategy = switcher.strategy
     need = p.target.world_size - (strategy.world_size - len(p.leave))
     if need <= 0:
-        if not p.plan_ahead:
-            return []
-        # Rank 0's plan decides for all: a rank whose own is not done yet waits for it at the switch.
-        ready = strategy.global_rank == 0 and switcher.prepared is not None and switcher.prepared.done()
-        if strategy.broadcast(ready):
+        if _due(switcher, p):
             return []
         _prepare(switcher, p)
         return None
@@ -208,12 +219,17 @@ def _intent_store(switcher: "Switcher"):
 
 
 def _prepare(switcher: "Switcher", p: Pending, captured: Captured | None = None) -> None:
-    """While a scale-out waits for its joiners, or a change planned ahead trains on: plan it in the background, for
+    """While a scale-out waits for its joiners, or a switch planned ahead trains on: plan it in the background, for
     whichever joiners come (see `prepare`). Only a change with joiners publishes its intent for them. ``captured``:
     this rank's states as the request just captured them, if it did."""
+    strategy = switcher.strategy
+    if p.target.world_size == strategy.world_size and not p.leave:
+        inputs = in_world_inputs(switcher, p.target, captured)
+        if switcher.prepared is None or switcher.prepared.inputs != inputs:
+            switcher.prepared = InWorldPrep(inputs)
+        return
     inputs = change_inputs(switcher, p.target, p.leave, None, captured)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
-        strategy = switcher.strategy
         if not inputs.joiners:
             switcher.prepared = MemberPrep(inputs)
             return

@@ -1,6 +1,6 @@
 """`Switcher`: a `DynaTrainStrategy`'s layout switches, run only at optimizer-step boundaries.
 
-It holds what lives between switches (the pending request, a world change prepared in the background, a joiner's
+It holds what lives between switches (the pending request, a switch prepared in the background, a joiner's
 received state, the loop's accumulation offset, the target builds) and is the strategy's one entry to every kind
 of switch. The stages live in their own modules: `fit_loop` (Lightning's loop), `switch_requests` (checks and the
 queue), `states` (capture and release), `target` (target layouts), `same_world` and `world_switch` (the two kinds run
@@ -17,7 +17,7 @@ from dynatrain.strategies import fit_loop, joiner, switch_requests
 from dynatrain.strategies.joiner import JoinState
 from dynatrain.strategies.prepare import MemberPrep
 from dynatrain.strategies.report import SwitchReport
-from dynatrain.strategies.same_world import switch_in_world
+from dynatrain.strategies.same_world import InWorldPrep, switch_in_world
 from dynatrain.strategies.target import TargetLayouts
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -30,7 +30,7 @@ class Switcher:
         self.strategy = strategy
         self.pending: switch_requests.Pending | None = None
         self.joined: JoinState | None = None  # a joiner's received state until training starts
-        self.prepared: MemberPrep | None = None  # the pending world change, planned in the background
+        self.prepared: MemberPrep | InWorldPrep | None = None  # the pending switch, planned in the background
         self.accumulation_offset = 0
         self.trainer: pl.Trainer | None = None
         self.targets = TargetLayouts(strategy)

@@ -21,7 +21,8 @@ def rss_bytes() -> int:
 
 class Script(pl.Callback):
     """Request layout ``layouts[i]`` at the first micro-batch after step ``steps[i]`` (with gradient
-    accumulation that is mid-step: the strategy must wait for the boundary). Bad requests must raise."""
+    accumulation that is mid-step: the strategy must wait for the boundary), ``layout:ahead`` with
+    ``plan_ahead=True``. Bad requests must raise."""
 
     def __init__(self, plan: list[tuple[int, str]], bad: list[tuple[int, str]]):
         self.plan = dict(plan)
@@ -41,7 +42,8 @@ class Script(pl.Callback):
             except ValueError as e:
                 self.errors.append(str(e))
         if step in self.plan:
-            trainer.strategy.request_switch(self.plan.pop(step))
+            layout, _, ahead = self.plan.pop(step).partition(":")
+            trainer.strategy.request_switch(layout, plan_ahead=ahead == "ahead")
             self.requested_at.append((step, batch_idx))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -55,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layout", required=True)
-    ap.add_argument("--switches", default="", help="step:layout;step:layout")
+    ap.add_argument("--switches", default="", help="step:layout[:ahead];step:layout")
     ap.add_argument("--bad", default="", help="step:layout;... requests that must be refused")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--global-batch", type=int, default=8)
