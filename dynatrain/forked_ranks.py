@@ -18,9 +18,12 @@ A process that launches many jobs in turn (a test session, a benchmark's repeats
 (*serving*): it imports once, then reads one spec path per line from its stdin and answers each with the pid of a
 child that runs that launch as above, leading a process group of its own (the launch's: the child and its ranks) with
 its output in the spec's ``log``; the server writes the child's exit status to the spec's ``rc`` when it reaps it.
-It ends when its stdin closes and its launches have ended.
+It ends when its stdin closes and its launches have ended, or at once when the process that started it is gone.
 
     python -m dynatrain.forked_ranks --serve MODULE...
+
+Every process here ends with the one that forked or started it (on Linux): a launch whose caller was killed (a test
+run stopped from outside) does not leave ranks behind that wait forever on peers or a store that are gone.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -39,8 +43,23 @@ from pathlib import Path
 SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+PR_SET_PDEATHSIG = 1
+GONE_POLL = 0.05  # seconds between a server's looks at its caller once its requests have ended
+
+
 def rc_path(log: str | Path) -> Path:
     return Path(f"{log}.rc")
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process when ``parent`` (the thread that forked or started it, which waits for it)
+    ends; end now if it already has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _run_rank(rank: dict) -> None:
@@ -118,9 +137,11 @@ def _reap(running: dict[int, str | Path], block: bool) -> bool:
 def _run_launch(spec: dict) -> int:
     """Fork every rank of ``spec`` from this process and reap them, writing each one's status as it ends."""
     running = {}
+    me = os.getpid()
     for rank in spec["ranks"]:
         pid = os.fork()
         if pid == 0:
+            _die_with(me)
             _run_rank(rank)
         running[pid] = rc_path(rank["log"])
     while running and _reap(running, block=True):
@@ -130,6 +151,8 @@ def _run_launch(spec: dict) -> int:
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    if "caller" in spec:
+        _die_with(spec["caller"])
     for name in spec["preload"]:
         importlib.import_module(name)
     return _run_launch(spec)
@@ -137,8 +160,10 @@ def main(spec_path: str) -> int:
 
 def serve(preload: list[str]) -> int:
     """Import ``preload``, then run each launch whose spec path arrives on stdin in a child of its own."""
+    caller = os.getppid()  # not killed with it: the thread that started a kept server may end long before it
     for name in preload:
         importlib.import_module(name)
+    me = os.getpid()
     running: dict[int, str] = {}  # pid of a launch -> where its status goes
     signal.signal(signal.SIGCHLD, lambda *_: _reap(running, block=False))
     while line := sys.stdin.readline():
@@ -147,6 +172,7 @@ def serve(preload: list[str]) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         pid = os.fork()
         if pid == 0:
+            _die_with(me)
             _become_launch(spec)
         try:
             os.setpgid(pid, pid)  # as the child does: the group exists before its pid is answered, for a kill
@@ -155,9 +181,11 @@ def serve(preload: list[str]) -> int:
         running[pid] = spec["rc"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(pid, flush=True)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # no more requests: wait for the launches still running
-    while running and _reap(running, block=True):
-        pass
+    # No more requests: wait for the launches still running, unless the caller is gone (its exit closed the pipe,
+    # and it may not have been reaped yet when the end of input is read): then end, and the launches with it.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while running and _reap(running, block=False) and os.getppid() == caller:
+        time.sleep(GONE_POLL)
     return 0
 
 

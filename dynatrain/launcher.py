@@ -355,6 +355,7 @@ def _fork_ranks(argv: list[str], envs: list[dict], outs: list[Path], logs: list[
 
     zygote_log = Path(f"{stem}-zygote.log")
     spec = {"preload": list(preload), "cwd": os.getcwd(), "log": str(zygote_log), "rc": f"{zygote_log}.rc",
+            "caller": os.getpid(),
             "ranks": [{"argv": [*argv, "--out", str(out)], "env": env, "log": str(log)}
                       for out, env, log in zip(outs, envs, logs)]}
     spec_file = Path(f"{stem}-zygote.json")

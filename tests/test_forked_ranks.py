@@ -5,6 +5,8 @@ kept for every launch (`keep_zygote`)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -115,3 +117,28 @@ def test_closing_a_served_launch_whose_group_just_ended_waits_for_its_status(tmp
     launch.close()
     writer.join()
     assert launch.poll() == 0
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie no one reaps yet (its parent died too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@KEEP
+def test_the_ranks_of_a_launch_end_when_its_caller_is_killed(tmp_path, keep):
+    hang = tmp_path / "pid"
+    code = (f"from dynatrain.launcher import launch_local; launch_local([{str(PROBE)!r}, '--hang', {str(hang)!r}], 2, "
+            f"__import__('pathlib').Path({str(tmp_path)!r}), timeout=120, preload={LIGHT!r}, keep_zygote={keep})")
+    caller = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path)
+    try:
+        wait_for(lambda: all(Path(f"{hang}.{r}").exists() for r in range(2)), 60)
+        ranks = [int(Path(f"{hang}.{r}").read_text()) for r in range(2)]
+        assert not any(_ended(pid) for pid in ranks)
+    finally:
+        caller.kill()  # as a test run stopped from outside: no clean-up of its own runs
+        caller.wait()
+    wait_for(lambda: all(_ended(pid) for pid in ranks), 10)

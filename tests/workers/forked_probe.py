@@ -18,8 +18,12 @@ if __name__ == "__main__":
     ap.add_argument("--out", required=True)
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--hang", default=None, help="write this rank's pid to HANG.<rank>, then sleep")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
+    if args.hang:
+        __import__("pathlib").Path(f"{args.hang}.{rank}").write_text(str(os.getpid()))
+        time.sleep(120)
     if rank == args.kill_rank:
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == args.fail_rank:
