@@ -26,6 +26,7 @@ class Requests(pl.Callback):
         self.starts: dict[int, float] = {}
         self.ends: dict[int, float] = {}
         self.requested: list[int] = []
+        self.request_s: list[float] = []  # each request_switch call: it checks and builds the target on meta
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.setdefault(trainer.global_step + 1, time.time())
@@ -37,7 +38,9 @@ class Requests(pl.Callback):
         step = trainer.global_step
         self.ends[step] = time.time()
         if self.next < len(self.chain) and step == self.next * self.every and strategy._switcher.pending is None:
+            t0 = time.perf_counter()
             strategy.request_switch(self.chain[self.next], plan_ahead=self.ahead)
+            self.request_s.append(time.perf_counter() - t0)
             self.requested.append(step)
             self.next += 1
 
@@ -53,13 +56,15 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--global-batch", type=int, default=2)
     ap.add_argument("--budget-mb", type=float, default=64.0)
+    ap.add_argument("--rank-map", default="auto")
     args = ap.parse_args()
     chain = args.chain.split(";")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if ParallelConfig.parse(chain[0]).world_size != world:
         raise SystemExit(f"{chain[0]} does not run on {world} processes")
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=chain[0], switch_budget_mb=args.budget_mb, verify_switches=False)
+    strategy = dynatrain.DynaTrainStrategy(parallel=chain[0], switch_budget_mb=args.budget_mb, verify_switches=False,
+                                           rank_map=args.rank_map)
     requests = Requests(chain, args.every, args.ahead)
     steps = args.every * len(chain)
     trainer = bench_trainer(strategy, world, steps, [requests])
@@ -67,6 +72,7 @@ def main() -> None:
     trainer.fit(module, datamodule=bench_data(args))
     result = {"rank": strategy.global_rank, "losses": module.step_losses, "starts": requests.starts,
               "ends": requests.ends, "requested": requests.requested,
+              "request_s": requests.request_s,
               "reports": [r.as_dict() for r in strategy.switch_reports]}
     del trainer, module, strategy
     finish_rank(args.out, result)

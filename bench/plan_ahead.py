@@ -9,8 +9,9 @@ switch runs at that boundary, planned inside its stall. **ahead**: ``request_swi
 is planned on a background thread while one more step trains and runs at that step's end. Per switch: its stall
 (`SwitchReport.stall_s`, the slower rank) and its plan phase; for ``ahead``, the step its plan overlapped (first
 micro-batch to end, the slower rank) against the median of that layout's other steps in the same run, since the
-plan's thread takes CPU from that step. **Lost** = stall + that step's extra seconds (0 for ``now``). Runs of the
-two ways alternate in a random order (``--seed``), ``--repeats`` each.
+plan's thread takes CPU from that step. **Lost** = the request (`request_switch` checks the target and builds it
+on meta, on the training thread, between two steps) + stall + that step's extra seconds (0 for ``now``). Runs of
+the two ways alternate in a random order (``--seed``), ``--repeats`` each. ``--rank-map`` is the strategy's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ WAYS = ("now", "ahead")
 
 def run(args, way: str, tmp: Path) -> list[dict]:
     argv = [WORKER, "--chain", args.chain, "--every", str(args.every), "--model", args.model, "--seq-len",
-            str(args.seq_len), "--global-batch", str(args.global_batch), "--budget-mb", str(args.budget_mb)]
+            str(args.seq_len), "--global-batch", str(args.global_batch), "--budget-mb", str(args.budget_mb),
+            "--rank-map", args.rank_map]
     return launch_local(argv + (["--ahead"] if way == "ahead" else []), args.devices, tmp, timeout=args.timeout,
                         name=f"plan-ahead-{way}", preload=PRELOAD, keep_zygote=True, env={"OMP_NUM_THREADS": "1"})
 
@@ -51,6 +53,9 @@ def figures(ranks: list[dict], way: str) -> list[dict]:
         row = {"change": f"{rep['old_layout']} -> {rep['new_layout']}", "requested_at": requested,
                "switched_at": rep["step"], "prepared": all(r["prepared"] for r in per_rank),
                "stall_s": max(r["stall_s"] for r in per_rank),
+               "request_s": max(r["request_s"][i] for r in ranks),
+               "bytes_moved": rep["bytes_moved"], "bytes_moved_identity": rep["bytes_moved_identity"],
+               "rank_map": rep["rank_map"],
                "plan_s": max(r["phases"].get("plan", 0.0) for r in per_rank), "overlap_extra_s": 0.0}
         if way == "ahead":
             overlapped = rep["step"]  # the step between the request and the switch
@@ -60,7 +65,7 @@ def figures(ranks: list[dict], way: str) -> list[dict]:
             row["layout_median_step_s"] = statistics.median(same) if same else None
             if same:
                 row["overlap_extra_s"] = row["overlap_step_s"] - row["layout_median_step_s"]
-        row["lost_s"] = row["stall_s"] + row["overlap_extra_s"]
+        row["lost_s"] = row["request_s"] + row["stall_s"] + row["overlap_extra_s"]
         out.append(row)
     return out
 
@@ -76,7 +81,8 @@ def summary(trials: list[dict]) -> list[dict]:
         entry: dict = {"change": change}
         for way in WAYS:
             rows = [t["switches"][i] for t in trials if t["way"] == way]
-            entry[way] = {k: stats([r[k] for r in rows]) for k in ("stall_s", "plan_s", "lost_s", "overlap_extra_s")}
+            entry[way] = {k: stats([r[k] for r in rows])
+                          for k in ("request_s", "stall_s", "plan_s", "lost_s", "overlap_extra_s")}
             entry[way]["prepared"] = [r["prepared"] for r in rows]
         entry["lost_ahead_over_now"] = entry["ahead"]["lost_s"]["median"] / entry["now"]["lost_s"]["median"]
         out.append(entry)
@@ -92,6 +98,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--global-batch", type=int, default=2)
     ap.add_argument("--budget-mb", type=float, default=64.0)
+    ap.add_argument("--rank-map", default="auto", help="the strategy's rank_map: auto, optimal or identity")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0)

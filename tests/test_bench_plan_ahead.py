@@ -27,7 +27,7 @@ def test_both_ways_switch_where_they_should_and_train_alike(tmp_path):
         switches = trials[way]["switches"]
         assert [s["change"] for s in switches] == ["dp_shard=2 -> tp=2", "tp=2 -> dp_shard=2"]
         assert [(s["requested_at"], s["switched_at"]) for s in switches] == [(3, 3 + late), (6, 6 + late)]
-        assert all(s["prepared"] is bool(late) and s["stall_s"] > s["plan_s"] > 0 for s in switches)
+        assert all(s["prepared"] is bool(late) and s["stall_s"] > s["plan_s"] > 0 < s["request_s"] for s in switches)
         assert ("layout_median_step_s" in switches[0]) is bool(late)
     # One step runs under another layout, which sums in another order: equal up to rounding.
     now, ahead = trials["now"]["losses"], trials["ahead"]["losses"]

@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
                         "differs from the one before changes the world: processes leave, or new ones join")
     p.add_argument("--steps-between", type=int, default=2)
     p.add_argument("--budget-mb", type=float, default=64.0)
+    p.add_argument("--rank-map", default="auto", choices=("auto", "optimal", "identity"),
+                   help="the strategy's rank_map: how a switch arranges the processes on the new mesh")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=None, help="override the model's depth (faster checks)")
@@ -112,7 +114,7 @@ def run(args) -> int:
         common = ["-m", "dynatrain.selfcheck.worker", "--model", args.model,
                   "--layouts", " > ".join(str(p) for p in layouts), "--steps-between", str(args.steps_between),
                   "--global-batch", str(batch), "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
-                  "--budget-mb", str(args.budget_mb), "--workdir", tmp]
+                  "--budget-mb", str(args.budget_mb), "--rank-map", args.rank_map, "--workdir", tmp]
         if args.n_layers:
             common += ["--n-layers", str(args.n_layers)]
         if any(p.pp > 1 for p in layouts):

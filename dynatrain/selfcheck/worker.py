@@ -205,6 +205,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--budget-mb", type=float, default=64.0)
+    ap.add_argument("--rank-map", default="auto")
     ap.add_argument("--n-layers", type=int, default=None)
     ap.add_argument("--pipeline-schedule", default="1F1B")
     ap.add_argument("--stages-per-rank", type=int, default=1)
@@ -230,7 +231,7 @@ def main() -> None:
     elastic = ({"timeout": args.elastic_timeout, "join_timeout": args.join_timeout}
                if args.elastic and not args.static else False)
     strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
-                                           verify_switches=False, elastic=elastic,
+                                           rank_map=args.rank_map, verify_switches=False, elastic=elastic,
                                            pipeline_schedule=args.pipeline_schedule,
                                            stages_per_rank=args.stages_per_rank)
     extra = []

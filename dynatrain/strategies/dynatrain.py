@@ -65,8 +65,10 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         verify_switches: check every layout switch bitwise (per-state checksums before and after).
         switch_budget_mb: transient memory per rank for a layout switch beyond holding the state once: half
             stages a round's send + receive buffers, half holds the states in flight (see docs/planner.md).
-        rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire)
-            or ``"identity"``.
+        rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire),
+            ``"identity"``, or ``"auto"``: the fewest bytes, except that a switch within the world keeps the default
+            arrangement, whose target it built at the request, when the bytes that saves cost less wire time (as
+            the job's switches measured it) than building the target again for another arrangement.
         save_distributed_checkpoint: one DCP shard per rank (True) or a full checkpoint on rank 0.
         elastic: let the job change its processes (``True``, a dict of `ElasticConfig` fields, or one):
             processes leave and join through the job's store (see docs/elastic.md).
@@ -99,7 +101,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         reduce_dtype: str | None = "float32",
         verify_switches: bool = False,
         switch_budget_mb: float = 256.0,
-        rank_map: str = "optimal",
+        rank_map: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -136,8 +138,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         if switch_budget_mb <= 0:
             raise ValueError(f"switch_budget_mb must be positive, got {switch_budget_mb}")
         self.switch_budget_bytes = int(switch_budget_mb * 2**20)
-        if rank_map not in ("optimal", "identity"):
-            raise ValueError(f"rank_map={rank_map!r}: use 'optimal' or 'identity'")
+        if rank_map not in ("auto", "optimal", "identity"):
+            raise ValueError(f"rank_map={rank_map!r}: use 'auto', 'optimal' or 'identity'")
         self.rank_map = rank_map
         self.parallel_config: ParallelConfig | None = None
         # positions[i] is the process at mesh position i (default order (r*S + s)*T + t); a switch may permute it.

@@ -31,6 +31,7 @@ from dynatrain.strategies.capture import capture
 from dynatrain.strategies.lightning_world import forget_old_meshes, set_world
 from dynatrain.strategies.prepare import plan_mesh_safe
 from dynatrain.strategies.report import PhaseTimer
+from dynatrain.strategies.same_world import planner_rank_map
 from dynatrain.strategies.states import keep_states, release_module
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -176,7 +177,8 @@ def recover(switcher: "Switcher", error: BaseException) -> RecoveryReport:
         target_layout, _ = switcher.targets.layout(target, captured, probe=True)
         plan, target_ranks = plan_mesh_safe(
             lambda order: plan_switch(old_layout, target_layout, lost=lost_ranks,
-                                      rank_map=order or strategy.rank_map, budget_bytes=strategy.switch_budget_bytes),
+                                      rank_map=order or planner_rank_map(strategy.rank_map),
+                                      budget_bytes=strategy.switch_budget_bytes),
             lambda plan: [rank_of[p] for p in plan.new.rank_map], target)
     except ValueError as e:
         raise stop(str(e)) from None

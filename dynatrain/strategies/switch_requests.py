@@ -224,7 +224,7 @@ def _prepare(switcher: "Switcher", p: Pending, captured: Captured | None = None)
     this rank's states as the request just captured them, if it did."""
     strategy = switcher.strategy
     if p.target.world_size == strategy.world_size and not p.leave:
-        inputs = in_world_inputs(switcher, p.target, captured)
+        inputs = in_world_inputs(switcher, p.target, captured, built=switcher.targets.has_build(p.target))
         if switcher.prepared is None or switcher.prepared.inputs != inputs:
             switcher.prepared = InWorldPrep(inputs)
         return

@@ -15,6 +15,7 @@ the world, on probe meshes of fake groups (`probe`) for a world of another size 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -113,6 +114,7 @@ class TargetLayouts:
         self.strategy = strategy
         self._shardings: dict[ParallelConfig, dict] = {}  # per target layout: parameter -> Sharding
         self._probes: dict = {}  # target layout -> its meta build on the default rank order, made at request time
+        self.build_seconds: dict[ParallelConfig, float] = {}  # the last build of each layout on its real mesh
 
     def check(self, target: ParallelConfig, captured, probe: bool = False) -> None:
         """Run the module's parallelisation for ``target`` now (a ValueError if it fails); keep the build."""
@@ -143,8 +145,10 @@ class TargetLayouts:
                         per_param = target_shardings(builds, captured)
                     built = None
                 else:
+                    start = time.perf_counter()
                     mesh = strategy._build_mesh(target)
                     built = self._build(mesh, target)
+                    self.build_seconds[target] = time.perf_counter() - start
                     per_param = target_shardings([(built, mesh)], captured)
             except _BuildFailed as e:
                 cause = e.__cause__
@@ -172,6 +176,10 @@ class TargetLayouts:
             return self.strategy.build_target(mesh, target)
         except Exception as e:
             raise _BuildFailed() from e
+
+    def has_build(self, target: ParallelConfig) -> bool:
+        """Whether a build of ``target`` on the default rank order is kept for its switch."""
+        return target in self._probes
 
     def forget_builds(self) -> None:
         """Drop the meta builds made at request time: they hold this world's meshes, which a world change ends."""

@@ -21,6 +21,7 @@ from dynatrain.strategies.capture import capture
 from dynatrain.strategies.join_payload import encode_scalars, loop_checkpoint
 from dynatrain.strategies.lightning_world import detach, logger_versions, set_world
 from dynatrain.strategies.prepare import ChangeInputs, plan_world_change
+from dynatrain.strategies.same_world import planner_rank_map
 from dynatrain.strategies.report import PhaseTimer, SwitchReport, check_unchanged, publish_report
 from dynatrain.strategies.states import capture_agreed, capture_states, keep_states, release_module
 from dynatrain.strategies.target import transplant
@@ -44,7 +45,7 @@ def change_inputs(switcher: "Switcher", target: ParallelConfig, leave, joiners: 
     new_shardings, _ = switcher.targets.shardings(target, captured, probe=True)
     return ChangeInputs.build(captured.specs, captured.shardings, new_shardings,
                               strategy.parallel_config, strategy.positions, strategy.elastic.world.members, target,
-                              leave, joiners, strategy.rank_map, strategy.switch_budget_bytes)
+                              leave, joiners, planner_rank_map(strategy.rank_map), strategy.switch_budget_bytes)
 
 
 class WorldSwitch:
