@@ -9,9 +9,11 @@ switch runs at that boundary, planned inside its stall. **ahead**: ``request_swi
 is planned on a background thread while one more step trains and runs at that step's end. Per switch: its stall
 (`SwitchReport.stall_s`, the slower rank) and its plan phase; for ``ahead``, the step its plan overlapped (first
 micro-batch to end, the slower rank) against the median of that layout's other steps in the same run, since the
-plan's thread takes CPU from that step. **Lost** = the request (`request_switch` checks the target and builds it
-on meta, on the training thread, between two steps) + stall + that step's extra seconds (0 for ``now``). Runs of
-the two ways alternate in a random order (``--seed``), ``--repeats`` each. ``--rank-map`` is the strategy's.
+plan's thread takes CPU from that step. **Lost** = what the gaps between steps (a step's end to the next one's first
+micro-batch) at the boundaries from the request's to the switch's took beyond the median gap at other boundaries
+(the request, which checks the target and builds it on meta, any preparation there, the stall) + that step's extra
+seconds (0 for ``now``); ``request_s`` is the request alone. Runs of the two ways alternate in a random order
+(``--seed``), ``--repeats`` each. ``--rank-map`` is the strategy's.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ def figures(ranks: list[dict], way: str) -> list[dict]:
     def span(step: int) -> float:
         return max(r["ends"][str(step)] - r["starts"][str(step)] for r in ranks)
 
+    def gap(step: int) -> float:
+        return max(r["starts"][str(step + 1)] - r["ends"][str(step)] for r in ranks)
+
     steps = sorted(int(s) for s in ranks[0]["ends"] if str(s) in ranks[0]["starts"])
     reports = list(zip(*(r["reports"] for r in ranks)))
     bounds = [rep[0]["step"] for rep in reports]
+    busy = set(ranks[0]["requested"]) | set(bounds)
+    normal_gap = statistics.median(gap(s) for s in steps if s not in busy and str(s + 1) in ranks[0]["starts"])
     out = []
     for i, (requested, per_rank) in enumerate(zip(ranks[0]["requested"], reports)):
         rep = per_rank[0]
@@ -65,7 +72,9 @@ def figures(ranks: list[dict], way: str) -> list[dict]:
             row["layout_median_step_s"] = statistics.median(same) if same else None
             if same:
                 row["overlap_extra_s"] = row["overlap_step_s"] - row["layout_median_step_s"]
-        row["lost_s"] = row["request_s"] + row["stall_s"] + row["overlap_extra_s"]
+        gaps = sum(gap(b) - normal_gap for b in range(requested, rep["step"] + 1))
+        row["boundary_extra_s"] = gaps
+        row["lost_s"] = gaps + row["overlap_extra_s"]
         out.append(row)
     return out
 
@@ -82,7 +91,7 @@ def summary(trials: list[dict]) -> list[dict]:
         for way in WAYS:
             rows = [t["switches"][i] for t in trials if t["way"] == way]
             entry[way] = {k: stats([r[k] for r in rows])
-                          for k in ("request_s", "stall_s", "plan_s", "lost_s", "overlap_extra_s")}
+                          for k in ("request_s", "stall_s", "plan_s", "boundary_extra_s", "lost_s", "overlap_extra_s")}
             entry[way]["prepared"] = [r["prepared"] for r in rows]
         entry["lost_ahead_over_now"] = entry["ahead"]["lost_s"]["median"] / entry["now"]["lost_s"]["median"]
         out.append(entry)

@@ -129,7 +129,8 @@ def run_pending(switcher: "Switcher") -> SwitchReport | None:
     strategy = switcher.strategy
     if p.target.world_size == strategy.world_size and not p.leave:
         if not _due(switcher, p):
-            _prepare(switcher, p)
+            if switcher.prepared is None:  # planned at the request, normally
+                _prepare(switcher, p)
             return None
         switcher.pending = None
         prepared, switcher.prepared = switcher.prepared, None
@@ -189,7 +190,8 @@ def _agree_on_joiners(switcher: "Switcher", p: Pending):
     if need <= 0:
         if _due(switcher, p):
             return []
-        _prepare(switcher, p)
+        if switcher.prepared is None:  # nobody joins: nothing the plan depends on changes until it is due
+            _prepare(switcher, p)
         return None
     decision = None
     if strategy.global_rank == 0:
