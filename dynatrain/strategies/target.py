@@ -182,5 +182,9 @@ class TargetLayouts:
         return target in self._probes
 
     def forget_builds(self) -> None:
-        """Drop the meta builds made at request time: they hold this world's meshes, which a world change ends."""
+        """Drop the meta builds made at request time, which hold this world's meshes that a world change ends, and
+        the placements read from them: a process that joins the next world has none, and every rank must take the
+        same branch at a request there (a build on a real mesh creates process groups)."""
         self._probes.clear()
+        self._shardings.clear()
+        self.build_seconds.clear()
