@@ -151,10 +151,11 @@ def test_a_preempted_process_leaves_before_it_dies(tmp_path):
 def test_a_switch_within_the_world_after_a_joiner_came_builds_alike_on_members_and_joiner(tmp_path):
     # The members built tp=2 in the first world; the joiner never did. At the last request every rank must take the
     # same branch (a build on the real mesh creates groups, and the arrangement's weights are agreed collectively).
+    # The scale-out holds training at step 3 until the joiner is ready, however long it takes to start.
     switches = "1:tp=2;2:dp_shard=1:1;3:dp_shard=2;4:tp=2"
     members, joiners = launch_elastic("elastic.py", 2, ["--layout", "dp_shard=2", "--steps", "6", "--switches",
-                                                        switches, "--timeout", "30"], tmp_path, joiners=[[]],
-                                      timeout=240)
+                                                        switches, "--timeout", "30", "--hold-for-joiner", "3"],
+                                      tmp_path, joiners=[[]], timeout=240)
     assert members[1]["left"] and not members[0]["left"]
     for p in (members[0], joiners[0]):
         assert p["layout"] == "tp=2" and p["world_size"] == 2 and p["global_step"] == 6, p
