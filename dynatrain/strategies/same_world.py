@@ -29,10 +29,9 @@ import torch.distributed as dist
 from dynatrain import engine
 from dynatrain.engine.verify import compare, local_checksums
 from dynatrain.memory import release_freed_memory, resident_bytes
-from dynatrain.planner.schedule import plan_switch
+from dynatrain.planner.schedule import SwitchPlan, plan_switch
 from dynatrain.strategies.adopt import adopt_module
 from dynatrain.strategies.capture import capture
-from dynatrain.planner.schedule import SwitchPlan
 from dynatrain.strategies.prepare import Background, plan_mesh_safe
 from dynatrain.strategies.report import PhaseTimer, SwitchReport, check_unchanged, publish_report
 from dynatrain.strategies.states import capture_agreed, capture_states, keep_states, release_module
@@ -131,9 +130,6 @@ class InWorldPrep:
     def __init__(self, inputs: InWorldInputs) -> None:
         self.inputs = inputs
         self._plan = Background(inputs, lambda: plan_in_world(inputs), "dynatrain-plan-in-world")
-
-    def done(self) -> bool:
-        return self._plan.done()
 
     def plan(self) -> tuple[SwitchPlan, Layout]:
         return self._plan.result()
