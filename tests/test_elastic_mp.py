@@ -33,8 +33,8 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monke
     # The second joiner starts only once the members wait for it to reach dp_shard=2,tp=2 and prepare that world
     # change in the background; they train on, but not past step 7 without it.
     signal = str(tmp_path / "preparing")
-    # The scale-in is planned ahead: requested at the first micro-batch of step 2, it runs at the first boundary
-    # where its background plan is ready.
+    # The scale-in is planned ahead: requested at the first micro-batch of step 2, it runs at the end of that
+    # optimizer step.
     members, joiners = launch_elastic(
         "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", AHEAD,
                           "--prepared-signal", f"dp_shard=2,tp=2@{signal}", "--hold-for-joiner", str(steps - 1)],
@@ -54,6 +54,7 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monke
     assert all(r["verified"] for p in members[:2] + joiners for r in p["reports"])
     # The scale-in planned ahead and the last scale-out ran from plans prepared while the members trained on.
     assert [r["prepared"] for r in first["reports"]][::2] == [True, True]
+    assert all(m["reports"][0]["prepared"] for m in members[2:]), "the leavers sent from the prepared plan too"
     # Same global batch, same data, same optimizer state: the losses of a static run, step for step.
     ref = static_losses
     assert len(first["losses"]) == len(ref) == steps

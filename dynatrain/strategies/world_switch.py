@@ -154,7 +154,8 @@ class WorldSwitch:
         detach(strategy, self.switcher.trainer)
         if strategy._template is not None:
             transplant(module, strategy._template.fresh(), names)
-        return publish_report(self.switcher, self.plan, self.old_cfg, self.target, [], stats, None, self.timer)
+        return publish_report(self.switcher, self.plan, self.old_cfg, self.target, [], stats, None, self.timer,
+                              prepared=self.prepared is not None)
 
     def _verify(self, module, old_totals) -> bool:
         strategy = self.strategy
