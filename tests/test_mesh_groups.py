@@ -68,3 +68,16 @@ def test_the_strategy_connects_a_mesh_once_when_it_builds_it(monkeypatch):
     other = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg, ranks=[0, 2, 1, 3])
     assert first is again and other is not first
     assert connected == [first, other]
+
+
+def test_a_real_mesh_reads_its_flattened_names_without_the_deprecated_slice(one_process_group):
+    import warnings
+
+    from dynatrain.models.parallelize import init_mesh
+
+    pcfg = ParallelConfig.parse("dp_shard=1")
+    mesh = init_mesh(pcfg, "cpu")
+    with warnings.catch_warnings():
+        # torch warns when a flattened name is sliced from the root mesh, a use it means to remove.
+        warnings.filterwarnings("error", message="Slicing a flattened dim")
+        assert connect_mesh_groups(mesh, pcfg, "cpu") == 0

@@ -64,8 +64,10 @@ def connect_mesh_groups(mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.de
     the groups of one dimension are disjoint, so the collectives cannot wait on each other in a cycle. Gloo
     connects at creation; there this adds a round trip per group."""
     seen = set()
+    # A flattened name is read from the flattenings the mesh keeps: slicing it from the root is deprecated in torch.
+    flat = getattr(mesh, "_flatten_mapping", {})
     for name in (*pcfg.mesh_dim_names, *pcfg.flattened_dims()):
-        sub = mesh[name]
+        sub = flat[name] if name in flat else mesh[name]
         if sub.size() < 2:
             continue
         group = sub.get_group()
