@@ -122,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             profile = None
             if args.profile:
                 name, layout = args.profile.split(":", 1)
+                cfg = get_model_config(name)
                 with torch.device("meta"):
-                    model = Transformer(get_model_config(name))
+                    model = Transformer(cfg)
                 profile = {"model": name, "layout": layout,
-                           "top": profile_once(model, ParallelConfig.parse(layout).validate(get_model_config(name)))}
+                           "top": profile_once(model, ParallelConfig.parse(layout).validate(cfg))}
                 for r in profile["top"]:
                     print(f"  {r['cumulative_s']:7.3f} s  {r['calls']:6d}  {r['function']}", flush=True)
         finally:

@@ -1,8 +1,10 @@
 """A new mesh's groups are connected when the mesh is built, not by the first training step's collectives."""
 
+import warnings
+
 import torch
 
-from dynatrain.models.parallelize import connect_mesh_groups
+from dynatrain.models.parallelize import connect_mesh_groups, init_mesh
 from dynatrain.vps.parallel_config import ParallelConfig
 
 
@@ -71,10 +73,6 @@ def test_the_strategy_connects_a_mesh_once_when_it_builds_it(monkeypatch):
 
 
 def test_a_real_mesh_reads_its_flattened_names_without_the_deprecated_slice(one_process_group):
-    import warnings
-
-    from dynatrain.models.parallelize import init_mesh
-
     pcfg = ParallelConfig.parse("dp_shard=1")
     mesh = init_mesh(pcfg, "cpu")
     with warnings.catch_warnings():
