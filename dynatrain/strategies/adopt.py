@@ -121,7 +121,10 @@ def move_data(switcher: "Switcher", target: ParallelConfig) -> None:
     if trainer is None:
         return
     datamodule = getattr(trainer, "datamodule", None)
-    if datamodule is not None and hasattr(datamodule, "set_layout"):
+    data = switcher.strategy.data_split
+    if data.owned or data.val:
+        data.apply(trainer, target.dp_size, switcher.strategy.dp_rank)
+    elif datamodule is not None and hasattr(datamodule, "set_layout"):
         trainer.accumulate_grad_batches = datamodule.set_layout(target.dp_size, switcher.strategy.dp_rank)
     loop = trainer.fit_loop.epoch_loop
     switcher.accumulation_offset = loop.batch_progress.current.ready

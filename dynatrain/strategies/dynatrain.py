@@ -31,6 +31,7 @@ from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
 from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, materialize_model, parallelize_llama
 from dynatrain.strategies.checkpoint_io import CheckpointIO
+from dynatrain.strategies.data_split import DataSplit
 from dynatrain.strategies.lightning_world import adopt_logger_versions, logger_versions, set_world
 from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
 from dynatrain.strategies.steps import CompileWatch, StepHooks
@@ -86,6 +87,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
             `dynatrain.models.checkpointing`).
         compile: `torch.compile` each transformer block: False, True (inductor) or a backend name (``"aot_eager"``).
             A switch's target blocks compile at its first step; `SwitchReport.compile_s` says how long that took.
+        check_batches: the ranks of each data-parallel rank (a tp, pp or cp group) compare a fingerprint of every
+            micro-batch and stop with the ranks and step when they differ; by default only the first micro-batch
+            after each switch is compared.
         Checkpointing and compile apply to the default parallelisation (the zoo's models); a ``parallelize_fn`` or a
         `configure_model()` of your own calls `dynatrain.models.checkpointing.apply_ac` and
         `dynatrain.models.compile.apply_compile` itself (between TP and FSDP) or reads them from the strategy.
@@ -112,6 +116,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         loss_parallel: bool = True,
         activation_checkpointing: str = "none",
         compile: bool | str = False,
+        check_batches: bool = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -159,6 +164,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         # Called with the SwitchReport once a switch completed, on every process of the new world and on a process
         # that left (its report's world_size is 0).
         self.after_switch: list = []
+        self.check_batches = check_batches
+        self.data_split = DataSplit(self)  # the data-parallel split of every dataloader, through every switch
         self.compile_watch = CompileWatch() if self.compile_backend else None
         if self.compile_watch is not None:
             self.after_switch.append(self.compile_watch.on_switch)
@@ -182,7 +189,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         position = 0
         for index, size in zip(self._device_mesh.get_coordinate(), self._device_mesh.mesh.shape):
             position = position * int(size) + index
-        return (position % self.parallel_config.stage_size) // self.parallel_config.tp
+        return self.parallel_config.dp_rank_of(position)
 
     @property
     def tp_rank(self) -> int:
@@ -193,6 +200,11 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        # Lightning has injected its sampler for the current data-parallel size; from here the split follows every
+        # switch (see `data_split`).
+        return self.data_split.process(super().process_dataloader(dataloader))
 
     def model_config(self):
         module = self.lightning_module

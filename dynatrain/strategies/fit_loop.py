@@ -23,10 +23,25 @@ class BoundaryHook(pl.Callback):
         self.switcher = switcher
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.switcher.accumulation_offset = 0  # Lightning's batch counter restarts with each epoch
+        # Lightning's batch counter restarts with each epoch (a resumed one goes on from `on_train_start`'s count).
+        if not self.switcher.strategy.data_split.on_epoch_start(trainer):
+            self.switcher.accumulation_offset = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning does not announce an epoch it resumes in the middle of: here it goes on from the saved count.
+        if self.switcher.strategy.data_split.on_train_start(trainer):
+            self.switcher.accumulation_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         self.switcher.on_train_start()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.switcher.strategy.data_split.check_batch(trainer, batch)
+
+    def state_dict(self) -> dict:
+        # The data's position within its epoch: in every checkpoint, and what a joiner receives.
+        return self.switcher.strategy.data_split.state_dict(self.switcher.trainer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.switcher.strategy.data_split.load_state_dict(state_dict)
 
 
 def attach(switcher: "Switcher", trainer: pl.Trainer) -> None:

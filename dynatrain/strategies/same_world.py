@@ -92,6 +92,8 @@ def in_world_inputs(switcher: "Switcher", target: ParallelConfig, captured=None,
     # probe=True: read the target's placements without taking the build the request kept for the switch.
     new_shardings, _ = switcher.targets.shardings(target, captured, probe=True)
     rank_map = rank_map or strategy.rank_map
+    if strategy.data_split.fixed:
+        rank_map = "identity"  # a loader dynatrain cannot re-split keeps each process on its data-parallel rank
     budget = strategy.switch_budget_bytes if budget_mb is None else int(budget_mb * 2**20)
     old = strategy.parallel_config
     positions = range(old.world_size) if strategy.positions is None else strategy.positions

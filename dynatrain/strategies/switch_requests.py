@@ -56,12 +56,25 @@ def check_target(switcher: "Switcher", target: str | ParallelConfig, world_size:
                              f"pipeline stages of at least one layer, and the model has {n_layers}: use a "
                              f"smaller pp")
     datamodule = getattr(switcher.trainer, "datamodule", None) if switcher.trainer else None
-    if datamodule is not None and hasattr(datamodule, "accumulation_for"):
-        try:
+    try:
+        if datamodule is not None and hasattr(datamodule, "accumulation_for"):
             datamodule.accumulation_for(target.dp_size)
-        except ValueError as e:
-            raise ValueError(f"cannot switch to {target.short()}: {e}") from None
+        data = getattr(strategy, "data_split", None)  # None: a strategy that owns no dataloader
+        if data is not None:
+            data.check(target.dp_size, _dp_ranks_kept(strategy, target, world_size))
+    except ValueError as e:
+        raise ValueError(f"cannot switch to {target.short()}: {e}") from None
     return target
+
+
+def _dp_ranks_kept(strategy, target: ParallelConfig, world_size: int) -> bool:
+    """Whether every process keeps its data-parallel rank (the same processes in the default arrangement)."""
+    current = strategy.parallel_config
+    if current is None or world_size != strategy.world_size:
+        return False
+    positions = strategy.positions or list(range(world_size))
+    # A loader dynatrain cannot re-split switches in the identity arrangement: process q at position q.
+    return all(current.dp_rank_of(positions.index(q)) == target.dp_rank_of(q) for q in range(world_size))
 
 
 def check_world(switcher: "Switcher", target: ParallelConfig, leave: tuple[int, ...]) -> None:

@@ -82,6 +82,10 @@ class ParallelConfig:
         """The pipeline stage (pp coordinate) of a mesh position."""
         return position // self.stage_size
 
+    def dp_rank_of(self, position: int) -> int:
+        """The data-parallel rank of a mesh position: every stage's positions of one dp index read one batch."""
+        return (position % self.stage_size) // self.tp
+
     @property
     def dp_size(self) -> int:
         """Data-parallel degree: how many distinct micro-batches one step sees at once."""

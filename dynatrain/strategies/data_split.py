@@ -1,0 +1,320 @@
+"""`DataSplit`: the strategy's data-parallel split of every training and validation dataloader.
+
+Lightning injects a `DistributedSampler` into a map-style `DataLoader` once, at set-up, for the data-parallel size
+of that moment. The strategy takes the loader over as `Strategy.process_dataloader` sees it: the injected sampler
+(or Lightning's `DistributedSamplerWrapper` around a user's sampler, or a plain `DistributedSampler` the user made)
+becomes an `ElasticSampler` with the same order, and the loader is re-made with Lightning's own re-instantiation
+helper. The global batch is the data-parallel size x the loader's batch size x `accumulate_grad_batches` at set-up;
+every switch keeps it through accumulation, re-splits every loader for the new data-parallel rank (the same for
+every rank of a tp or pp group), and moves Lightning's epoch length with it. An `IterableDataset` that implements
+`dynatrain.data.iterable.DataParallelIterable` is re-split by its own `set_data_parallel`. A loader whose split
+cannot be re-derived makes every switch that changes the data-parallel size or rank fail at request time.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+from dynatrain.data.elastic_sampler import ElasticSampler
+from dynatrain.data.iterable import DataParallelIterable
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from dynatrain.strategies.dynatrain import DynaTrainStrategy
+
+
+class BatchMismatchError(RuntimeError):
+    """Ranks that must read the same batch (one data-parallel rank: a tp, pp or cp group) read different ones."""
+
+
+@dataclass
+class _Stream:
+    """An iterable dataset that re-splits itself (`DataParallelIterable`)."""
+
+    dataset: Any
+    micro_batch_size: int
+    global_batch_size: int
+
+
+class DataSplit:
+    def __init__(self, strategy: "DynaTrainStrategy") -> None:
+        self.strategy = strategy
+        self.train: list[tuple[DataLoader, ElasticSampler]] = []
+        self.val: list[tuple[DataLoader, ElasticSampler]] = []
+        self.streams: list[_Stream] = []
+        self.fixed: list[str] = []  # why a training loader's split cannot change
+        self.first_step = 0  # the trainer's global step at the start of the current epoch
+        self._state: dict | None = None  # restored from a checkpoint (or a joiner's payload), until used
+        self._resumed_epoch: int | None = None
+        self.check_next_batch = False
+
+    # ---- set-up: Lightning hands every loader to Strategy.process_dataloader ------------------------------
+    def process(self, dataloader: object) -> object:
+        trainer = self.strategy.lightning_module.trainer if self.strategy.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        training = trainer.state.stage == RunningStage.TRAINING
+        if training and not any(d is dataloader for d, _ in self.train):
+            self.train, self.streams, self.fixed = [], [], []  # Lightning (re)loads the training loaders
+        elif not training:
+            self.val = [(d, s) for d, s in self.val if d is not dataloader]
+        if isinstance(dataloader.dataset, IterableDataset):
+            if training:
+                self._take_stream(trainer, dataloader)
+            return dataloader
+        sampler = _index_sampler(dataloader)
+        if isinstance(sampler, ElasticSampler):
+            (self.train if training else self.val).append((dataloader, sampler))
+            return dataloader
+        if hasattr(sampler, "set_layout") and hasattr(getattr(trainer, "datamodule", None), "set_layout"):
+            return dataloader  # the data module re-splits its own loaders (`LlamaDataModule.set_layout`)
+        source = _source(sampler)
+        if source is None:
+            if training:
+                self.fixed.append(f"the training dataloader's sampler {type(sampler).__name__} is not a "
+                                  "DistributedSampler that dynatrain can re-split")
+            return dataloader
+        micro = dataloader.batch_size if dataloader.batch_size is not None else \
+            getattr(dataloader.batch_sampler, "batch_size", None)
+        if micro is None:
+            if training:
+                self.fixed.append(f"the training dataloader's batch sampler {type(dataloader.batch_sampler).__name__} "
+                                  "has no batch_size")
+            return dataloader
+        size, rank = self.strategy.dp_size, self.strategy.dp_rank
+        glob = size * micro * trainer.accumulate_grad_batches if training else None
+        elastic = ElasticSampler(source, micro, glob, size, rank, shuffle=sampler.shuffle, seed=sampler.seed,
+                                 drop_last=sampler.drop_last)
+        if training:
+            saved = self._saved_sampler(len(self.train))
+            if saved is not None:
+                elastic.global_batch_size = saved["global_batch_size"]
+                elastic.load_state_dict(saved)
+                elastic.set_layout(size, rank)
+            limit = trainer.limit_train_batches
+            if limit != 1.0:  # Lightning's limit, in micro-batches of this split, kept as a number of samples
+                batches = int(limit) if isinstance(limit, int) else int(len(dataloader) * limit)
+                elastic.max_samples = batches * micro * elastic.reference_dp
+                elastic._order = None
+        loader = _update_dataloader(dataloader, elastic, mode=trainer.state.stage)
+        (self.train if training else self.val).append((loader, elastic))
+        return loader
+
+    def _take_stream(self, trainer: "pl.Trainer", dataloader: DataLoader) -> None:
+        dataset = dataloader.dataset
+        if not isinstance(dataset, DataParallelIterable):
+            self.fixed.append(f"the training dataloader reads an IterableDataset ({type(dataset).__name__}) whose "
+                              "split dynatrain cannot re-derive: implement set_data_parallel(dp_size, dp_rank, "
+                              "next_global_sample) on it (dynatrain.data.iterable.DataParallelIterable)")
+            return
+        if dataloader.num_workers > 0 and dataloader.persistent_workers:
+            self.fixed.append(f"{type(dataset).__name__} is read by persistent DataLoader workers, whose copies of "
+                              "the dataset a switch cannot reach: use persistent_workers=False")
+            return
+        micro = dataloader.batch_size or 1
+        saved = self._saved_stream(len(self.streams))
+        glob = saved["global_batch_size"] if saved else self.strategy.dp_size * micro * trainer.accumulate_grad_batches
+        stream = _Stream(dataset, micro, glob)
+        self.streams.append(stream)
+        dataset.set_data_parallel(self.strategy.dp_size, self.strategy.dp_rank, glob * trainer.global_step)
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    @property
+    def owned(self) -> bool:
+        return bool(self.train or self.streams)
+
+    def accumulation_for(self, dp_size: int) -> int | None:
+        """Micro-batches per rank per step on ``dp_size`` ranks that keep the global batch (None: not owned)."""
+        found = {s.accumulation_for(dp_size) for _, s in self.train}
+        for stream in self.streams:
+            if stream.global_batch_size % (dp_size * stream.micro_batch_size):
+                raise ValueError(f"the global batch of {stream.global_batch_size} samples cannot be kept on {dp_size} "
+                                 f"data-parallel ranks with batch_size={stream.micro_batch_size}")
+            found.add(stream.global_batch_size // (dp_size * stream.micro_batch_size))
+        if len(found) > 1:
+            raise ValueError(f"the training dataloaders would need different gradient accumulations {sorted(found)} "
+                             f"on {dp_size} data-parallel ranks")
+        return found.pop() if found else None
+
+    def check(self, dp_size: int, dp_ranks_kept: bool) -> None:
+        """Raise ValueError now if a switch to ``dp_size`` ranks could not keep every global batch."""
+        if self.fixed and (dp_size != self.strategy.dp_size or not dp_ranks_kept):
+            raise ValueError(f"this switch changes the data-parallel split ({self.strategy.dp_size} -> {dp_size} "
+                             f"ranks), and {'; '.join(self.fixed)}")
+        self.accumulation_for(dp_size)
+
+    # ---- a switch -----------------------------------------------------------------------------------------
+    def apply(self, trainer: "pl.Trainer", dp_size: int, dp_rank: int) -> None:
+        """Every loader on the new split from the next optimizer step on; Lightning's epoch length follows."""
+        accumulation = self.accumulation_for(dp_size)
+        if accumulation is not None:
+            trainer.accumulate_grad_batches = accumulation
+        step = trainer.global_step - self.first_step
+        micro_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        for _, sampler in self.train:
+            sampler.set_layout(dp_size, dp_rank, step=min(step, sampler.steps_per_epoch), micro_done=micro_done)
+        for stream in self.streams:
+            stream.dataset.set_data_parallel(dp_size, dp_rank, stream.global_batch_size * trainer.global_step)
+        for _, sampler in self.val:
+            sampler.set_layout(dp_size, dp_rank)
+        self._lengths(trainer)
+        self._restart_workers(trainer)
+        self.check_next_batch = True
+
+    def _lengths(self, trainer: "pl.Trainer") -> None:
+        """Lightning measures its loaders once; a new split changes how many micro-batches each rank reads."""
+        fit = trainer.fit_loop
+        if self.train and fit._combined_loader is not None:
+            combined = fit._combined_loader
+            lengths = [len(d) for d, _ in self.train]
+            if len(lengths) == len(combined.flattened):
+                combined.limits = lengths
+                if combined._iterator is not None:  # the running epoch's iterator holds the limits it began with
+                    combined._iterator.limits = lengths
+            fit.max_batches = max(lengths)
+            if fit._data_fetcher is not None and fit._data_fetcher.length is not None:
+                fit._data_fetcher.length = fit.max_batches  # measured when the epoch's iterator began
+        val = fit.epoch_loop.val_loop
+        if self.val and val._combined_loader is not None and len(val._max_batches) == len(self.val):
+            limit = trainer.limit_val_batches
+            val._max_batches = [min(len(d), limit) if isinstance(limit, int) else int(len(d) * limit)
+                                for d, _ in self.val]
+
+    def _restart_workers(self, trainer: "pl.Trainer") -> None:
+        """DataLoader workers read ahead under the old split: start the iterator again, discarding that."""
+        if not any(d.num_workers > 0 for d, _ in self.train) and not self.streams:
+            return
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is None or not trainer.training:
+            return
+        fetched = fetcher.fetched
+        iter(fetcher)
+        fetcher.fetched = fetched
+
+    # ---- Lightning's epochs, checkpoints and steps --------------------------------------------------------
+    def on_train_start(self, trainer: "pl.Trainer") -> bool:
+        """At the start of fit, after Lightning restored a checkpoint (or a joiner's payload): whether training
+        goes on inside the epoch it was saved in; if so, every loader continues at the saved step."""
+        saved, self._state = self._state, None
+        if saved is None or saved.get("epoch") != trainer.current_epoch:
+            return False
+        self.first_step, self._resumed_epoch = int(saved["first_step"]), trainer.current_epoch
+        if self.owned:
+            self._keep_global_batch(trainer)
+            step = trainer.global_step - self.first_step
+            ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            for _, sampler in self.train:
+                sampler.set_layout(self.strategy.dp_size, self.strategy.dp_rank, step=step, micro_done=ready)
+            for stream in self.streams:
+                stream.dataset.set_data_parallel(self.strategy.dp_size, self.strategy.dp_rank,
+                                                 stream.global_batch_size * trainer.global_step)
+            self._restart_workers(trainer)
+            self._lengths(trainer)
+        return True
+
+    def on_epoch_start(self, trainer: "pl.Trainer") -> bool:
+        """Whether the epoch starting is the one training resumed inside (already set up by `on_train_start`)."""
+        if self._resumed_epoch == trainer.current_epoch:
+            self._resumed_epoch = None
+            return True
+        self._resumed_epoch = None
+        self.first_step = trainer.global_step
+        if self.owned:
+            self._keep_global_batch(trainer)
+            self._lengths(trainer)
+        return False
+
+    def _keep_global_batch(self, trainer: "pl.Trainer") -> None:
+        accumulation = self.accumulation_for(self.strategy.dp_size)  # a resume may run on another split
+        if accumulation is not None:
+            trainer.accumulate_grad_batches = accumulation
+
+    def state_dict(self, trainer: "pl.Trainer | None") -> dict:
+        state: dict[str, Any] = {"first_step": self.first_step,
+                                 "epoch": trainer.current_epoch if trainer is not None else 0}
+        if self.train:
+            state["samplers"] = [s.state_dict() for _, s in self.train]
+        if self.streams:
+            state["streams"] = [{"global_batch_size": s.global_batch_size} for s in self.streams]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._state = dict(state)
+        self.first_step = int(state.get("first_step", 0))  # a joiner re-splits before its first epoch starts
+
+    def _saved_sampler(self, i: int) -> dict | None:
+        samplers = (self._state or {}).get("samplers") or []
+        return samplers[i] if i < len(samplers) else None
+
+    def _saved_stream(self, i: int) -> dict | None:
+        streams = (self._state or {}).get("streams") or []
+        return streams[i] if i < len(streams) else None
+
+    def check_batch(self, trainer: "pl.Trainer", batch: Any) -> None:
+        """The ranks of each data-parallel rank compare a fingerprint of their batch; raise naming them if any
+        differ. After a switch (its first micro-batch), and at every micro-batch with ``check_batches=True``."""
+        strategy = self.strategy
+        if not (self.check_next_batch or strategy.check_batches) or strategy.world_size == 1:
+            return
+        self.check_next_batch = False
+        if strategy.detached or strategy.local_only:
+            return
+        mine = torch.tensor([strategy.dp_rank, fingerprint(batch)], dtype=torch.int64, device=strategy.root_device)
+        rows = strategy.all_gather(mine).view(-1, 2).tolist()
+        groups: dict[int, dict[int, list[int]]] = {}
+        for rank, (dp_rank, fp) in enumerate(rows):
+            groups.setdefault(dp_rank, {}).setdefault(fp, []).append(rank)
+        bad = {d: fps for d, fps in groups.items() if len(fps) > 1}
+        if bad:
+            d, fps = sorted(bad.items())[0]
+            split = " against ".join(f"ranks {ranks}" for ranks in fps.values())
+            raise BatchMismatchError(
+                f"step {trainer.global_step}: ranks {sorted(r for rs in fps.values() for r in rs)} share data-parallel "
+                f"rank {d} (layout {strategy.parallel_config.short()}) and must read the same batch, but {split} read "
+                "different ones: their tensor- or pipeline-parallel computation would mix unrelated samples. Let the "
+                "strategy split the data (Lightning's sampler injection, use_distributed_sampler=True), or split it "
+                "by trainer.strategy.dp_rank / dp_size")
+
+
+def fingerprint(batch: Any) -> int:
+    """A 63-bit digest of every tensor in a (nested) batch: its dtype, shape and bytes."""
+    digest = 0
+    stack = [batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            t = item.detach().cpu().contiguous()
+            digest = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), digest)
+            digest = zlib.crc32(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", digest)
+        elif isinstance(item, dict):
+            stack.extend(item[k] for k in sorted(item, key=str))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, (int, float, str, bytes)):
+            digest = zlib.crc32(repr(item).encode(), digest)
+    return digest
+
+
+def _index_sampler(dataloader: DataLoader):
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return getattr(batch_sampler, "sampler", None)
+    return dataloader.sampler
+
+
+def _source(sampler):
+    """What a distributed sampler splits, if dynatrain can split it again: the dataset, or a user's sampler."""
+    if type(sampler) is DistributedSamplerWrapper:
+        return sampler.dataset._sampler
+    if type(sampler) is DistributedSampler:
+        return sampler.dataset
+    return None

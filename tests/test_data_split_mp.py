@@ -1,0 +1,90 @@
+"""The training switches, not only its state: a user's own dataloader around a stock Hugging Face Llama
+(tests/workers/hf_data.py) is re-split at every switch, so every step trains on the samples it trains on without
+switches, and its global loss is the same."""
+
+from __future__ import annotations
+
+import pytest
+from _launch import launch, launch_elastic
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+SAME_WORLD = "2:dp_replicate=2,dp_shard=2;4:dp_shard=2,tp=2"
+
+
+def _assert_same_training(runs: list[dict], static: list[dict]) -> None:
+    ref = static[0]
+    for res in runs:
+        if res["left"]:
+            continue
+        assert len(res["losses"]) >= 1
+        first = len(ref["losses"]) - len(res["losses"])  # a joiner records the steps it trained
+        for a, b in zip(res["losses"], ref["losses"][first:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (res["losses"], ref["losses"])
+        assert res["samples"] == ref["samples"][first:]
+        assert all(r["verified"] is True for r in res["reports"])
+
+
+@pytest.mark.parametrize("data,shuffle", [("map", True), ("map", False), ("sampler", False)],
+                         ids=["shuffled", "in-order", "users-sampler"])
+def test_switches_through_dp_replicate_and_tp_train_on_the_same_samples_as_without(tmp_path, data, shuffle):
+    common = ["--data", data, "--steps", "6", *(["--shuffle"] if shuffle else [])]
+    static = launch("hf_data.py", 4, common, tmp_path / "static")
+    switched = launch("hf_data.py", 4, [*common, "--switches", SAME_WORLD], tmp_path / "switched")
+    assert all(r["layout"] == "dp_shard=2,tp=2" and r["accumulation"] == 6 for r in switched)
+    assert [len(r["reports"]) for r in switched] == [2] * 4
+    _assert_same_training(switched, static)
+    # 96 samples, a global batch of 24: the epoch ends after step 4 under every split, and the next one begins
+    assert sorted(i for step in static[0]["samples"][:4] for i in step) == list(range(96))
+
+
+def test_a_scale_in_and_out_keeps_every_global_batch(tmp_path):
+    common = ["--shuffle", "--steps", "6"]
+    static = launch("hf_data.py", 4, common, tmp_path / "static")
+    args = ["--elastic", *common, "--switches", "2:dp_shard=3;4:dp_shard=4"]
+    members, joiners = launch_elastic("hf_data.py", 4, args, tmp_path / "elastic", joiners=[args], timeout=400)
+    assert sum(m["left"] for m in members) == 1
+    assert [r["layout"] for r in members + joiners if not r["left"]] == ["dp_shard=4"] * 4
+    _assert_same_training(members + joiners, static)
+
+
+def test_a_protocol_stream_is_re_split_exactly(tmp_path):
+    common = ["--data", "protocol", "--shuffle", "--steps", "5"]
+    static = launch("hf_data.py", 4, common, tmp_path / "static")
+    switched = launch("hf_data.py", 4, [*common, "--switches", "2:dp_shard=2,tp=2;3:dp_replicate=2,dp_shard=2"],
+                      tmp_path / "switched")
+    assert all(r["errors"] == [] for r in switched)
+    _assert_same_training(switched, static)
+
+
+def test_a_stream_that_cannot_be_re_split_is_refused_at_request_time_and_training_goes_on(tmp_path):
+    results = launch("hf_data.py", 4, ["--data", "stream", "--steps", "4", "--switches", "2:dp_shard=2,tp=2"],
+                     tmp_path)
+    for res in results:
+        [error] = res["errors"]
+        assert "PlainStream" in error and "set_data_parallel" in error, error
+        assert res["layout"] == "dp_shard=4" and res["reports"] == [] and len(res["losses"]) == 4
+
+
+def test_the_batch_guard_names_the_ranks_of_a_tp_group_that_read_different_batches(tmp_path):
+    results = launch("hf_data.py", 4, ["--data", "broken", "--layout", "dp_shard=2,tp=2", "--steps", "2",
+                                       "--check-batches"], tmp_path)
+    for res in results:
+        assert res["error"] is not None and "BatchMismatchError" in res["error"], res
+        assert "ranks [0, 1] share data-parallel rank 0" in res["error"] and "step 0" in res["error"], res["error"]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_checkpoint_taken_mid_epoch_on_4_resumes_on_fewer_with_the_same_next_global_batches(tmp_path, devices):
+    common = ["--shuffle", "--samples", "120"]  # 5 steps of 24 an epoch
+    static = launch("hf_data.py", 4, [*common, "--steps", "7"], tmp_path / "static")
+    launch("hf_data.py", 4, [*common, "--steps", "4", "--save", f"3:{tmp_path / 'ckpt'}"], tmp_path / "first")
+    [ckpt] = (tmp_path / "ckpt").glob("*step=3*")  # in the middle of the first epoch
+    resumed = launch("hf_data.py", devices, [*common, "--steps", "7", "--layout", f"dp_shard={devices}",
+                                              "--resume", str(ckpt)], tmp_path / "resumed")
+    for res in resumed:
+        assert res["global_step"] == 7 and res["accumulation"] == 24 // (2 * devices)
+        for a, b in zip(res["losses"], static[0]["losses"][3:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (res["losses"], static[0]["losses"])
+        assert res["samples"] == static[0]["samples"][3:]
