@@ -5,7 +5,7 @@ switches, and its global loss is the same."""
 from __future__ import annotations
 
 import pytest
-from _launch import launch, launch_elastic
+from _launch import launch, launch_elastic, selfcheck_module
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -88,3 +88,11 @@ def test_a_checkpoint_taken_mid_epoch_on_4_resumes_on_fewer_with_the_same_next_g
         for a, b in zip(res["losses"], static[0]["losses"][3:]):
             assert abs(a - b) <= 1e-5 * abs(b), (res["losses"], static[0]["losses"])
         assert res["samples"] == static[0]["samples"][3:]
+
+
+def test_selfcheck_module_checks_a_users_own_dataloader_through_tp_and_a_scale_in_and_out():
+    layouts = ["dp_shard=4", "dp_shard=2,tp=2", "dp_shard=3", "dp_replicate=2,dp_shard=2"]
+    result = selfcheck_module("hf_selfcheck:HFModule", layouts)
+    assert result["samples_equal"] and result["loss_max_rel_diff"] <= 1e-5
+    # the global batch is kept whole (24 = lcm of the data-parallel sizes x the loader's batch of 2) at every step
+    assert [len(step) for step in result["samples"]] == [24] * 4

@@ -25,7 +25,7 @@ from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.moe_configs import MOE_CONFIGS
 from dynatrain.models.specs import get_zoo_config
 from dynatrain.selfcheck.launch import joiners_needed, launch_elastic
-from dynatrain.selfcheck.results import merge_losses, merge_switches
+from dynatrain.selfcheck.results import merge_losses, merge_samples, merge_switches
 from dynatrain.vps.parallel_config import ParallelConfig
 
 LOSS_RTOL = 1e-5
@@ -136,10 +136,14 @@ def run(args) -> int:
         "model": args.module or args.model, "devices": devices, "worlds": worlds, "joiners": joiners, "global_batch": batch,
         "switches": merge_switches(switching),
         "loss_max_rel_diff": diff, "losses": a, "static_losses": b,
+        # The samples of each step, where the strategy splits the data (a module's own dataloader): the same
+        # global batches as the run without switches.
+        "samples_equal": merge_samples(switching) == static[0].get("samples", []),
+        "samples": merge_samples(switching),
     }
     ok = (len(result["switches"]) == len(layouts) - 1
           and all(s["bitwise_equal"] and s["step_after_equal"] is not False for s in result["switches"])
-          and diff <= LOSS_RTOL)
+          and diff <= LOSS_RTOL and result["samples_equal"])
     result["ok"] = ok
     if args.json:
         print(json.dumps(result))

@@ -79,6 +79,7 @@ class ElasticSampler(DistributedSampler):
         self._version = 0  # bumped by every jump of the position, so a running iterator notices it
         self._base = (0, 0)  # (step, micro-batches this rank read before it) where the current split began
         self._order: tuple[int, list[int]] | None = None
+        self.trace: list[int] | None = None  # when a list: every index handed out is appended (a check's record)
         super().__init__(_Indexed(source), num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self._sync_base_fields()
@@ -247,6 +248,8 @@ class ElasticSampler(DistributedSampler):
             for index in mine:
                 if self._version != version:
                     break  # the position jumped mid-step: drop the rest, continue where it now points
+                if self.trace is not None:
+                    self.trace.append(index)
                 yield index
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -47,3 +47,12 @@ def merge_losses(results: list[dict]) -> list[float]:
         for k, loss in enumerate(res["losses"]):
             by_step.setdefault(res.get("first_step", 0) + k, loss)
     return [by_step[k] for k in sorted(by_step)]
+
+
+def merge_samples(results: list[dict]) -> list[list[int]]:
+    """The global sample indices of every optimizer step (empty where the data is not the strategy's to split)."""
+    by_step: dict[int, list[int]] = {}
+    for res in results:
+        for k, samples in enumerate(res.get("samples") or []):
+            by_step.setdefault(res.get("first_step", 0) + k, samples)
+    return [by_step[k] for k in sorted(by_step)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 from contextlib import nullcontext
 import warnings
@@ -20,6 +21,8 @@ import importlib
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
@@ -185,6 +188,35 @@ class StepLosses(pl.Callback):
             self._micro.clear()
 
 
+class StepSamples(pl.Callback):
+    """The global sample indices of each optimizer step, for a module trained on its own dataloader: what every
+    data-parallel rank's sampler handed out (the ranks of one tp or pp group read one batch: the strategy's guard
+    compares them), merged."""
+
+    def __init__(self) -> None:
+        self.samples: list[list[int]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for _, sampler in trainer.strategy.data_split.train:
+            sampler.trace = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        samplers = [s for _, s in strategy.data_split.train if s.trace is not None]
+        if not samplers or not strategy.at_step_boundary() or strategy.detached:
+            return
+        mine = [i for s in samplers for i in s.trace]
+        for s in samplers:
+            s.trace.clear()
+        rows = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+        if dist.is_initialized():
+            dist.all_gather_object(rows, (strategy.dp_rank, mine))
+        else:
+            rows = [(0, mine)]
+        per_rank = {dp_rank: indices for dp_rank, indices in rows}
+        self.samples.append(sorted(i for indices in per_rank.values() for i in indices))
+
+
 def load_class(path: str):
     """``pkg.module:Class`` -> the class (its module importable from the working directory or PYTHONPATH)."""
     module, _, name = path.partition(":")
@@ -233,7 +265,7 @@ def main() -> None:
     strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
                                            rank_map=args.rank_map, verify_switches=False, elastic=elastic,
                                            pipeline_schedule=args.pipeline_schedule,
-                                           stages_per_rank=args.stages_per_rank)
+                                           stages_per_rank=args.stages_per_rank, check_batches=True)
     extra = []
     if args.inject:
         script = faults.InjectFault(args.inject, workdir, restarted=args.restarted)
@@ -242,16 +274,25 @@ def main() -> None:
             faults.die_before_ready()
     else:
         script = ScriptedSwitches([layouts[0]] if args.static else layouts, args.steps_between, workdir, check=True)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-                         callbacks=[recorder := StepLosses(), script, *extra])
     if args.module:
         module = load_class(args.module)()
     else:
         overrides = {"n_layers": args.n_layers} if args.n_layers else None
         module = CausalLM(model=args.model, model_overrides=overrides, lr=1e-3, warmup_steps=2)
-    if args.datamodule:
+    # A module with its own train_dataloader() trains on it, split by the strategy as Lightning's sampler leaves it.
+    own_data = args.module is not None and not args.datamodule and is_overridden("train_dataloader", module)
+    # Its global batch is its loader's batch size x the first data-parallel size x this accumulation: a multiple of
+    # every layout's data-parallel size, so that each keeps it.
+    sizes = [ParallelConfig.parse(layout).dp_size for layout in layouts]
+    accumulation = math.lcm(*sizes) // sizes[0] if own_data else 1
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+                         accumulate_grad_batches=accumulation,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=own_data,
+                         callbacks=[recorder := StepLosses(), samples := StepSamples(), script, *extra])
+    if own_data:
+        data = None
+    elif args.datamodule:
         data = load_class(args.datamodule)()
     else:
         data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.global_batch,
@@ -261,8 +302,9 @@ def main() -> None:
     if args.inject:
         result = script.result(trainer)
     else:
-        result = {"losses": getattr(module, "step_losses", recorder.losses), "first_step": script.first_step, "switches": script.results,
-                  "left": strategy.detached, "joined": joining}
+        result = {"losses": getattr(module, "step_losses", recorder.losses), "first_step": script.first_step,
+                  "switches": script.results, "left": strategy.detached, "joined": joining,
+                  "samples": samples.samples}
     del trainer, module, strategy
     finish_rank(args.out, result)
 

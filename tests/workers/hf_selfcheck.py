@@ -1,0 +1,9 @@
+"""`dynatrain selfcheck --module hf_selfcheck:HFModule`: the stock Hugging Face Llama of hf_data.py on its own
+shuffled map-style DataLoader, built with no arguments."""
+
+from hf_data import HFLM
+
+
+class HFModule(HFLM):
+    def __init__(self) -> None:
+        super().__init__(data="map", samples=96, batch_size=2, shuffle=True, workers=0)
