@@ -75,7 +75,8 @@ def launch_local(
 
     On a failure or timeout every rank is killed and the error carries the tail of each rank's log; after a
     rank fails, the others get ``grace`` seconds to report their side of it first. Ranks in ``may_die`` are
-    expected to be killed (fault injection): their exit is no failure and their result is None. With
+    expected to be killed (fault injection): their exit is no failure, and their result is None unless they exited
+    cleanly. With
     ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
     (`dynatrain.forked_ranks`), where the platform can fork. With ``keep_zygote`` that process outlives the launch and
     forks every later one of this process with the same ``preload`` and environment (but for the store's address
@@ -123,7 +124,9 @@ def launch_local(
         forked = isinstance(procs[0], _ForkedRank)
         zygote = log_tails(procs[0].zygote.logs(), "zygote", skip_empty=True) if forked else ""
         raise LaunchError(f"{name}: ranks {failed} failed\n" + log_tails(logs) + ("\n" + zygote if zygote else ""))
-    return [json.loads(o.read_text()) if o.exists() and r not in may_die else None for r, o in enumerate(outs)]
+    # A rank that may die and did not (a fault that picks its victim as it runs) reports like any other.
+    return [json.loads(o.read_text()) if o.exists() and (r not in may_die or p.returncode == 0) else None
+            for r, (o, p) in enumerate(zip(outs, procs))]
 
 
 def launch_elastic(

@@ -29,7 +29,8 @@ def _assert_same_training(runs: list[dict], static: list[dict]) -> None:
 @pytest.mark.parametrize("data,shuffle", [("map", True), ("map", False), ("sampler", False)],
                          ids=["shuffled", "in-order", "users-sampler"])
 def test_switches_through_dp_replicate_and_tp_train_on_the_same_samples_as_without(tmp_path, data, shuffle):
-    common = ["--data", data, "--steps", "6", *(["--shuffle"] if shuffle else [])]
+    # validation at the end of the first epoch, right after the switch to tp=2 (the val loader is re-split too)
+    common = ["--data", data, "--steps", "6", "--val", "20", *(["--shuffle"] if shuffle else [])]
     static = launch("hf_data.py", 4, common, tmp_path / "static")
     switched = launch("hf_data.py", 4, [*common, "--switches", SAME_WORLD], tmp_path / "switched")
     assert all(r["layout"] == "dp_shard=2,tp=2" and r["accumulation"] == 6 for r in switched)
@@ -37,6 +38,9 @@ def test_switches_through_dp_replicate_and_tp_train_on_the_same_samples_as_witho
     _assert_same_training(switched, static)
     # 96 samples, a global batch of 24: the epoch ends after step 4 under every split, and the next one begins
     assert sorted(i for step in static[0]["samples"][:4] for i in step) == list(range(96))
+    for res in switched:
+        assert res["val_samples"] == static[0]["val_samples"] == [list(range(20))]
+        assert abs(res["val_losses"][0] - static[0]["val_losses"][0]) <= 1e-5 * static[0]["val_losses"][0]
 
 
 def test_a_scale_in_and_out_keeps_every_global_batch(tmp_path):

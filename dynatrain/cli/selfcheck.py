@@ -59,9 +59,20 @@ def add_parser(sub) -> None:
     p.add_argument("--stages-per-rank", type=int, default=1, help="pipeline stages per pp rank (Interleaved1F1B: 2+)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--inject", default=None, metavar="SCENARIOS",
+    p.add_argument("--chaos", type=int, default=None, metavar="SEED",
+                   help="instead of --switches, a random sequence of layouts drawn from SEED over every term the "
+                        "model supports, world changes up and down included (printed, so a failure is replayable)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="with --chaos: optimizer steps of the run, one switch every --steps-between (default: 8 "
+                        "switches)")
+    p.add_argument("--chaos-terms", default=None, metavar="TERMS",
+                   help="with --chaos: the layout terms to draw from, e.g. dp_replicate,dp_shard,tp (default: "
+                        "dp_replicate, dp_shard, tp, and pp for a dense zoo model or ep for a mixture of experts)")
+    p.add_argument("--max-devices", type=int, default=4, help="with --chaos: the most processes a layout runs on")
+    p.add_argument("--inject", default=None, nargs="?", const="death", metavar="SCENARIOS",
                    help="instead of switches, kill a process for real and check the job's recovery: "
-                        "rank-dies, joiner-dies, leaver-dies, or several separated by ','")
+                        "rank-dies, joiner-dies, leaver-dies, or several separated by ','; with --chaos (no value), "
+                        "one of the drawn transitions is a process killed mid-step")
     p.set_defaults(run=run)
 
 
@@ -90,6 +101,24 @@ def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
     return layouts, devices
 
 
+def _chaos(args, model):
+    """The layouts of a chaos run (and the transition that is a death, with --inject)."""
+    from dynatrain.selfcheck.chaos import draw
+
+    if args.chaos_terms:
+        terms = tuple(t.strip() for t in args.chaos_terms.split(","))
+    elif model is None:
+        terms = ("dp_replicate", "dp_shard", "tp")  # a module of your own: pp and ep need more of it
+    else:
+        terms = ("dp_replicate", "dp_shard", "tp", "ep" if hasattr(model, "n_experts") else "pp")
+    switches = 8 if args.steps is None else args.steps // args.steps_between - 1
+    try:
+        return draw(args.chaos, switches, model, max_devices=args.max_devices, terms=terms,
+                    deaths=1 if args.inject else 0)
+    except ValueError as e:
+        raise SystemExit(f"--chaos: {e}") from None
+
+
 def zoo_config(name: str):
     """The zoo's config of that name, dense or mixture of experts (pure: the command starts without torch)."""
     try:
@@ -99,11 +128,18 @@ def zoo_config(name: str):
 
 
 def run(args) -> int:
-    if args.inject:
+    if args.inject and args.chaos is None:
         from dynatrain.selfcheck.faults import run_scenarios
 
         return run_scenarios(args)
     model = None if args.module else zoo_config(args.model)
+    chaos = None
+    if args.chaos is not None:
+        chaos = _chaos(args, model)
+        args.switches = chaos.switches
+        death = "" if chaos.death is None else f", process death at transition {chaos.death}"
+        print(f"selfcheck --chaos {args.chaos}{' --inject' if args.inject else ''}: --switches "
+              f"\"{chaos.switches}\"{death}", file=sys.stderr, flush=True)
     layouts, devices = parse_layouts(args, model)
     if args.steps_between < 1:
         raise SystemExit("--steps-between must be at least 1")
@@ -122,14 +158,23 @@ def run(args) -> int:
         for flag in ("module", "datamodule"):
             if getattr(args, flag):
                 common += [f"--{flag}", getattr(args, flag)]
+        death = chaos.death if chaos is not None else None
         try:
-            switching = _run_switching(common, devices, worlds, joiners, Path(tmp), args.timeout)
+            switching = _run_switching([*common, *(["--death", str(death)] if death is not None else [])], devices,
+                                       worlds, joiners, Path(tmp), args.timeout, death is not None)
             # The switching run's zygote forks this one too (one import for both).
             static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static",
                                   preload=PRELOAD, keep_zygote=True)
         except LaunchError as e:
             print(f"selfcheck failed to run:\n{e}", file=sys.stderr)
             return 1
+        victims = sorted(p.name for p in (Path(tmp) / "switching").glob("victim-*"))
+    died = [r for r in switching if r is None]
+    if death is not None and (len(died) != 1 or len(victims) != 1):
+        print(f"selfcheck: one process was to die at transition {death}; {len(victims)} did and {len(died)} gave "
+              "no result", file=sys.stderr)
+        return 1
+    switching = [r for r in switching if r is not None]
     a, b = merge_losses(switching), static[0]["losses"]
     diff = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=float("inf")) if len(a) == len(b) else float("inf")
     result = {
@@ -141,6 +186,8 @@ def run(args) -> int:
         "samples_equal": merge_samples(switching) == static[0].get("samples", []),
         "samples": merge_samples(switching),
     }
+    if chaos is not None:
+        result["chaos"] = {"seed": args.chaos, "switches": chaos.switches, "death": chaos.death}
     ok = (len(result["switches"]) == len(layouts) - 1
           and all(s["bitwise_equal"] and s["step_after_equal"] is not False for s in result["switches"])
           and diff <= LOSS_RTOL and result["samples_equal"])
@@ -153,8 +200,9 @@ def run(args) -> int:
 
 
 def _run_switching(common: list[str], devices: int, worlds: list[int], joiners: int, workdir: Path,
-                   timeout: float) -> list[dict]:
-    """Every process's result: the ranks of a fixed world, or an elastic job's members and joiners."""
+                   timeout: float, death: bool = False) -> list[dict | None]:
+    """Every process's result: the ranks of a fixed world, or an elastic job's members and joiners. With a
+    ``death`` any one of them may be the one killed (its result is None)."""
     if all(w == devices for w in worlds):
         return launch_local(common, devices, workdir, timeout=timeout, name="switching", preload=PRELOAD,
                             keep_zygote=True)
@@ -162,7 +210,8 @@ def _run_switching(common: list[str], devices: int, worlds: list[int], joiners: 
     # a joiner may wait for its scale-out as long as the whole run.
     argv = [*common, "--elastic", "--elastic-timeout", str(min(timeout, 300.0)), "--join-timeout", str(timeout)]
     members, joined = launch_elastic(argv, devices, workdir, joiners=joiners, timeout=timeout, name="switching",
-                                     preload=PRELOAD, keep_zygote=True)
+                                     preload=PRELOAD, keep_zygote=True,
+                                     may_die=range(devices) if death else (), joiners_may_die=death)
     return members + joined
 
 
@@ -177,6 +226,8 @@ def _print_table(result: dict, model: str) -> None:
         moved, secs, peak = (s["bytes_moved"] or 0) / 2**20, s["seconds"] or 0.0, (s["peak_bytes"] or 0) / 2**20
         print(f"{s['from']:<28} {s['to']:<28} {procs:<6} {str(s['bitwise_equal']):<8} "
               f"{str(s['step_after_equal']):<9} {moved:>9.2f} {secs:>8.3f} {peak:>9.2f}")
+    if "chaos" in result:
+        print(f"chaos seed {result['chaos']['seed']}: --switches \"{result['chaos']['switches']}\"")
     print(f"loss max relative difference against the run without switches: {result['loss_max_rel_diff']:.2e} "
           f"(tolerance {LOSS_RTOL})")
     print("OK" if result["ok"] else "FAILED")

@@ -81,6 +81,7 @@ class GlobalBatchSampler(DistributedSampler):
         self._counter: Callable[[], int] | None = None
         self._anchor = (0, 0)
         self._perm_cache: tuple[int, torch.Tensor] | None = None
+        self.trace: list[int] | None = None  # when a list: every index handed out is appended (a check's record)
         super().__init__(range(n) if isinstance(dataset, int) else dataset, num_replicas=dp_size, rank=dp_rank,
                          shuffle=shuffle, seed=seed, drop_last=True)
         self._sync_base_fields()
@@ -244,6 +245,8 @@ class GlobalBatchSampler(DistributedSampler):
                     # Advanced before the last index is handed out, so a consumer that stops right after
                     # this step's last micro-batch sees the position of the next step.
                     self._consumed = start + self.global_batch_size
+                if self.trace is not None:
+                    self.trace.append(index)
                 yield index
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def _merge_one(records: list[dict]) -> dict:
     out["step_after_equal"] = _verdict(r["step_after_equal"] for r in records)
     out["bytes_moved"] = ran[0]["bytes_moved"] if ran else None
     out["seconds"] = max((r["seconds"] for r in ran), default=None)
-    out["peak_bytes"] = max((r["peak_bytes"] for r in ran), default=None)
+    out["peak_bytes"] = max((r.get("peak_bytes") for r in ran if r.get("peak_bytes") is not None), default=None)
+    if any(r.get("death") for r in records):
+        out["death"] = True  # a process killed mid-step: the survivors rebuilt the state from replicas
     if any(r.get("dropped") for r in records):
         out["dropped"] = True  # a scale-out whose joiners never got ready: nothing was switched
     return out

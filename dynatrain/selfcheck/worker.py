@@ -12,6 +12,7 @@ import argparse
 import gc
 import math
 import os
+import signal
 from contextlib import nullcontext
 import warnings
 from pathlib import Path
@@ -36,8 +37,13 @@ from dynatrain.vps.parallel_config import ParallelConfig
 
 
 class ScriptedSwitches(pl.Callback):
-    def __init__(self, layouts: list[str], steps_between: int, workdir: Path, check: bool):
+    def __init__(self, layouts: list[str], steps_between: int, workdir: Path, check: bool, death: int | None = None):
         self.layouts = [ParallelConfig.parse(s) for s in layouts]
+        # Transition ``death`` is no request: its layout's last rank is killed in the middle of the next step, and
+        # the survivors' rebuilt state is compared with the one saved at the boundary before it.
+        self.death = death
+        self._dying: tuple[int, int] | None = None  # (transition, world it starts from) while the death is due
+        self._recoveries = 0
         self.steps_between = steps_between
         self.workdir = workdir
         self.check = check
@@ -83,10 +89,39 @@ class ScriptedSwitches(pl.Callback):
         if not strategy.at_step_boundary():
             return
         self.next += 1
+        if index == self.death:
+            self._dying = (index, strategy.world_size)
+            if self.check:
+                oracle.save(pl_module, strategy.optimizers[0], self._checkpoint(index))
+            return
         self._armed = (index, strategy.world_size)
         # At this boundary, after the module's own hooks, as any switch; a scale-out holds training until its
         # joiners are ready, so that the switch is the one of this step.
         strategy.request_switch(self.layouts[index + 1], wait=True)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._dying is None or trainer.global_rank != trainer.world_size - 1:
+            return
+        # Mid-step, before a backward whose collectives the others then wait on; the mark says which process died.
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / f"victim-{os.getpid()}").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        reports = trainer.strategy.recovery_reports
+        if len(reports) == self._recoveries:
+            return
+        self._recoveries = len(reports)
+        if self._dying is None:
+            return
+        (index, world_from), self._dying = self._dying, None
+        report = reports[-1]
+        record = self._record(index, None, None)
+        record.update({"from": report.old_layout, "to": report.new_layout, "world_from": world_from,
+                       "world_to": report.survivors, "death": True, "seconds": report.seconds,
+                       "bytes_moved": report.bytes_moved})
+        self.results.append(record)
+        self._compare(trainer, pl_module, record)  # the rebuilt state against the one saved before the death
 
     def _save(self, trainer, pl_module) -> None:
         if self._armed is not None and self.check:
@@ -187,22 +222,38 @@ class StepLosses(pl.Callback):
             self.losses.append(mean.item())
             self._micro.clear()
 
+    def on_train_step_discarded(self) -> None:
+        self._micro.clear()  # a process was lost mid-step: the step runs again on the survivors
+
 
 class StepSamples(pl.Callback):
-    """The global sample indices of each optimizer step, for a module trained on its own dataloader: what every
-    data-parallel rank's sampler handed out (the ranks of one tp or pp group read one batch: the strategy's guard
-    compares them), merged."""
+    """The global sample indices of each optimizer step: what every data-parallel rank's sampler handed out (the
+    ranks of one tp or pp group read one batch: the strategy's guard compares them), merged."""
 
     def __init__(self) -> None:
         self.samples: list[list[int]] = []
+        self._seen: list = []
+
+    def on_train_step_discarded(self) -> None:
+        # A process was lost mid-step: the step runs again on the survivors, who read its samples afresh.
+        for sampler in self._seen:
+            if sampler.trace is not None:
+                sampler.trace.clear()
+
+    @staticmethod
+    def _samplers(trainer) -> list:
+        own = [s for _, s in trainer.strategy.data_split.train]
+        zoo = getattr(getattr(trainer, "datamodule", None), "train_sampler", None)
+        return own + ([zoo] if zoo is not None and hasattr(zoo, "trace") else [])
 
     def on_train_start(self, trainer, pl_module) -> None:
-        for _, sampler in trainer.strategy.data_split.train:
+        self._seen = self._samplers(trainer)
+        for sampler in self._seen:
             sampler.trace = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        samplers = [s for _, s in strategy.data_split.train if s.trace is not None]
+        samplers = [s for s in self._samplers(trainer) if s.trace is not None]
         if not samplers or not strategy.at_step_boundary() or strategy.detached:
             return
         mine = [i for s in samplers for i in s.trace]
@@ -247,6 +298,8 @@ def main() -> None:
                     help="seconds to form a world and for its collectives")
     ap.add_argument("--join-timeout", type=float, default=900.0, help="seconds a joiner waits for its scale-out")
     ap.add_argument("--inject", default=None, help="a fault scenario of dynatrain.selfcheck.faults")
+    ap.add_argument("--death", type=int, default=None,
+                    help="transition INDEX of --layouts is a process dying (a chaos run), not a request")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: one stretch per layout)")
     ap.add_argument("--restarted", action="store_true", help="start from the fault scenario's latest snapshot")
     ap.add_argument("--module", default=None,
@@ -273,7 +326,8 @@ def main() -> None:
         if joining:
             faults.die_before_ready()
     else:
-        script = ScriptedSwitches([layouts[0]] if args.static else layouts, args.steps_between, workdir, check=True)
+        script = ScriptedSwitches([layouts[0]] if args.static else layouts, args.steps_between, workdir, check=True,
+                                  death=None if args.static else args.death)
     if args.module:
         module = load_class(args.module)()
     else:

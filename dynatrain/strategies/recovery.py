@@ -104,9 +104,7 @@ def survivors_target(switcher: "Switcher", count: int) -> ParallelConfig:
             candidates.append(chooser(count))
         except ValueError:
             pass
-    if count % old.tp == 0:
-        candidates.append(ParallelConfig(dp_shard=count // old.tp, tp=old.tp))
-    candidates.append(ParallelConfig(dp_shard=count))
+    candidates.extend(old.survivor_layouts(count))
     errors = []
     for c in candidates:
         try:

@@ -82,6 +82,12 @@ class ParallelConfig:
         """The pipeline stage (pp coordinate) of a mesh position."""
         return position // self.stage_size
 
+    def survivor_layouts(self, count: int) -> list["ParallelConfig"]:
+        """What ``count`` processes left of this layout fall back to, in order, when no policy chooses: the same tp
+        degree where it still divides ``count``, else pure FSDP."""
+        out = [ParallelConfig(dp_shard=count // self.tp, tp=self.tp)] if count % self.tp == 0 else []
+        return out + [ParallelConfig(dp_shard=count)]
+
     def dp_rank_of(self, position: int) -> int:
         """The data-parallel rank of a mesh position: every stage's positions of one dp index read one batch."""
         return (position % self.stage_size) // self.tp

@@ -95,6 +95,10 @@ class HFLM(pl.LightningModule):
         self.step_samples: list[list[int]] = []
         self._micro: list[torch.Tensor] = []
         self._indices: list[int] = []
+        self.val_samples = 0
+        self.val_losses: list[float] = []
+        self.val_samples_seen: list[list[int]] = []
+        self._val, self._val_indices = torch.zeros(2), []
 
     def configure_model(self) -> None:
         if any(hasattr(m, "reshard") for m in self.model.modules()):
@@ -126,6 +130,24 @@ class HFLM(pl.LightningModule):
             return DataLoader(IterableTokenWindows(tokens, SEQ, shuffle=self.shuffle, seed=3,
                                                   batch_size=self.batch_size), **kw)
         raise ValueError(self.data)
+
+    def val_dataloader(self):
+        return DataLoader(Windows(self.val_samples), batch_size=self.batch_size, shuffle=False)
+
+    def validation_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch[0]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[1].flatten(), reduction="sum")
+        self._val += torch.stack([loss.detach(), torch.tensor(float(batch[1].numel()))])
+        self._val_indices.extend(int(i) for i in batch[2])
+
+    def on_validation_epoch_end(self) -> None:
+        dist.all_reduce(self._val)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (self.trainer.strategy.dp_rank, self._val_indices))
+        per_dp = dict(rows)
+        self.val_losses.append((self._val[0] / self._val[1]).item())
+        self.val_samples_seen.append(sorted(i for indices in per_dp.values() for i in indices))
+        self._val, self._val_indices = torch.zeros(2), []
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch[0], batch[1]
@@ -192,6 +214,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--elastic", action="store_true")
     ap.add_argument("--check-batches", action="store_true")
+    ap.add_argument("--val", type=int, default=0, help="validate on this many samples at every epoch's end")
     ap.add_argument("--save", default=None, metavar="STEP:DIR", help="ModelCheckpoint into DIR every STEP steps")
     ap.add_argument("--resume", default=None, help="resume from this checkpoint")
     args = ap.parse_args()
@@ -211,10 +234,11 @@ def main() -> None:
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
         default_root_dir=os.path.dirname(os.path.abspath(args.out)), accumulate_grad_batches=args.accumulate,
         enable_checkpointing=bool(args.save), enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if args.val else 0, callbacks=callbacks,
         use_distributed_sampler=args.data != "broken",
     )
     module = HFLM(args.data, args.samples, args.batch_size, args.shuffle, args.workers)
+    module.val_samples = args.val
     error = None
     try:
         trainer.fit(module, ckpt_path=JOIN_CHECKPOINT if joining else args.resume)
@@ -232,6 +256,8 @@ def main() -> None:
         "errors": script.errors,
         "error": error,
         "accumulation": trainer.accumulate_grad_batches,
+        "val_losses": module.val_losses,
+        "val_samples": module.val_samples_seen,
     })
 
 
