@@ -100,3 +100,14 @@ def test_selfcheck_module_checks_a_users_own_dataloader_through_tp_and_a_scale_i
     assert result["samples_equal"] and result["loss_max_rel_diff"] <= 1e-5
     # the global batch is kept whole (24 = lcm of the data-parallel sizes x the loader's batch of 2) at every step
     assert [len(step) for step in result["samples"]] == [24] * 4
+
+
+def test_the_zoo_data_module_ends_its_epochs_where_it_would_after_a_switch(tmp_path):
+    # 11 steps an epoch; a switch after step 3 changes the micro-batches per step from 1 to 2: Lightning's epoch
+    # length must follow (its loop, its combined loader and its fetcher each measured it), at the switch and at the
+    # next epoch's start, or it closes a step with half its micro-batches.
+    common = ["--layout", "dp_shard=4", "--steps", "24", "--corpus-bytes", "3000"]
+    static = launch("user_switch.py", 4, common, tmp_path / "static")
+    switched = launch("user_switch.py", 4, [*common, "--switches", "3:dp_shard=2,tp=2"], tmp_path / "switched")
+    for a, b in zip(switched[0]["losses"], static[0]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (switched[0]["losses"], static[0]["losses"])

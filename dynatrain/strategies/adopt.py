@@ -115,21 +115,10 @@ def _rebuild_optimizer(switcher: "Switcher", module, dst, kept) -> None:
 
 
 def move_data(switcher: "Switcher", target: ParallelConfig) -> None:
-    """The data module on the new data-parallel rank and gradient accumulation; Lightning's loop counts the
-    accumulation from here."""
+    """Every dataloader on the new data-parallel rank, with the gradient accumulation that keeps the global batch
+    (`DataSplit`); Lightning's loop counts the accumulation from here."""
     trainer = switcher.trainer
     if trainer is None:
         return
-    datamodule = getattr(trainer, "datamodule", None)
-    data = switcher.strategy.data_split
-    if data.owned or data.val:
-        data.apply(trainer, target.dp_size, switcher.strategy.dp_rank)
-    elif datamodule is not None and hasattr(datamodule, "set_layout"):
-        trainer.accumulate_grad_batches = datamodule.set_layout(target.dp_size, switcher.strategy.dp_rank)
-    loop = trainer.fit_loop.epoch_loop
-    switcher.accumulation_offset = loop.batch_progress.current.ready
-    sampler = getattr(datamodule, "train_sampler", None)
-    if sampler is not None and hasattr(sampler, "remaining_in_epoch") and trainer.training:
-        # The epoch now has a different number of micro-batches per rank.
-        micro = getattr(datamodule, "micro_batch_size", 1)
-        trainer.fit_loop.max_batches = switcher.accumulation_offset + sampler.remaining_in_epoch() // micro
+    switcher.strategy.data_split.apply(trainer, target.dp_size, switcher.strategy.dp_rank)
+    switcher.accumulation_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready

@@ -155,6 +155,9 @@ class DataSplit:
     # ---- a switch -----------------------------------------------------------------------------------------
     def apply(self, trainer: "pl.Trainer", dp_size: int, dp_rank: int) -> None:
         """Every loader on the new split from the next optimizer step on; Lightning's epoch length follows."""
+        module = self._zoo_module(trainer)
+        if module is not None:  # the zoo's data module keeps its own loaders' split
+            trainer.accumulate_grad_batches = module.set_layout(dp_size, dp_rank)
         accumulation = self.accumulation_for(dp_size)
         if accumulation is not None:
             trainer.accumulate_grad_batches = accumulation
@@ -166,23 +169,28 @@ class DataSplit:
             stream.dataset.set_data_parallel(dp_size, dp_rank, stream.global_batch_size * trainer.global_step)
         for _, sampler in self.val:
             sampler.set_layout(dp_size, dp_rank)
-        self._lengths(trainer)
+        self._lengths(trainer, micro_done)
         self._restart_workers(trainer)
         self.check_next_batch = True
 
-    def _lengths(self, trainer: "pl.Trainer") -> None:
+    @staticmethod
+    def _zoo_module(trainer: "pl.Trainer"):
+        datamodule = getattr(trainer, "datamodule", None)
+        return datamodule if datamodule is not None and hasattr(datamodule, "set_layout") else None
+
+    def _lengths(self, trainer: "pl.Trainer", micro_done: int = 0) -> None:
         """Lightning measures its loaders once; a new split changes how many micro-batches each rank reads."""
         fit = trainer.fit_loop
-        if self.train and fit._combined_loader is not None:
-            combined = fit._combined_loader
-            lengths = [len(d) for d, _ in self.train]
-            if len(lengths) == len(combined.flattened):
-                combined.limits = lengths
-                if combined._iterator is not None:  # the running epoch's iterator holds the limits it began with
-                    combined._iterator.limits = lengths
-            fit.max_batches = max(lengths)
-            if fit._data_fetcher is not None and fit._data_fetcher.length is not None:
-                fit._data_fetcher.length = fit.max_batches  # measured when the epoch's iterator began
+        combined = fit._combined_loader
+        if combined is not None and self.train:
+            _set_epoch_length(trainer, [len(d) for d, _ in self.train])
+        elif combined is not None and trainer.limit_train_batches == 1.0:
+            sampler = getattr(self._zoo_module(trainer), "train_sampler", None)
+            if sampler is not None and hasattr(sampler, "remaining_in_epoch") and len(combined.flattened) == 1:
+                # The zoo's sampler counts its epoch in global samples: what is left of it from here, in this
+                # split's micro-batches (Lightning then ends its epoch where the sampler's ends).
+                micro = trainer.datamodule.micro_batch_size
+                _set_epoch_length(trainer, [micro_done + sampler.remaining_in_epoch() // micro])
         val = fit.epoch_loop.val_loop
         if self.val and val._combined_loader is not None and len(val._max_batches) == len(self.val):
             limit = trainer.limit_val_batches
@@ -230,7 +238,7 @@ class DataSplit:
         self.first_step = trainer.global_step
         if self.owned:
             self._keep_global_batch(trainer)
-            self._lengths(trainer)
+        self._lengths(trainer)
         return False
 
     def _keep_global_batch(self, trainer: "pl.Trainer") -> None:
@@ -283,6 +291,20 @@ class DataSplit:
                 "different ones: their tensor- or pipeline-parallel computation would mix unrelated samples. Let the "
                 "strategy split the data (Lightning's sampler injection, use_distributed_sampler=True), or split it "
                 "by trainer.strategy.dp_rank / dp_size")
+
+
+def _set_epoch_length(trainer: "pl.Trainer", lengths: list[int]) -> None:
+    """Micro-batches of each training loader in the running epoch, wherever Lightning measured them: the loop's
+    bound, the combined loader's limits (also those its running iterator began with) and the fetcher's length."""
+    fit = trainer.fit_loop
+    combined = fit._combined_loader
+    if len(lengths) == len(combined.flattened):
+        combined.limits = lengths
+        if combined._iterator is not None:
+            combined._iterator.limits = lengths
+    fit.max_batches = max(lengths)
+    if fit._data_fetcher is not None and fit._data_fetcher.length is not None:
+        fit._data_fetcher.length = fit.max_batches
 
 
 def fingerprint(batch: Any) -> int:

@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--moe", action="store_true", help="train MoELM (the zoo's MoE decoder) instead of UserLM")
     ap.add_argument("--experts", type=int, default=8, help="routed experts of MoELM")
+    ap.add_argument("--corpus-bytes", type=int, default=200_000, help="of the embedded corpus (fewer: short epochs)")
     args = ap.parse_args()
     parse = lambda text: [(int(s.split(":")[0]), s.split(":", 1)[1]) for s in text.split(";") if s]  # noqa: E731
     pl.seed_everything(1234, verbose=False)
@@ -72,7 +73,7 @@ def main() -> None:
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[script],
     )
     module = MoELM(args.optimizer, args.experts) if args.moe else UserLM(args.optimizer, args.build_in, args.heads)
-    data = LlamaDataModule(seq_len=32, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=200_000)
+    data = LlamaDataModule(seq_len=32, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=args.corpus_bytes)
     trainer.fit(module, datamodule=data)
     opt = strategy.optimizers[0]
     if args.moe:
