@@ -26,11 +26,14 @@ def _assert_same_training(runs: list[dict], static: list[dict]) -> None:
         assert all(r["verified"] is True for r in res["reports"])
 
 
-@pytest.mark.parametrize("data,shuffle", [("map", True), ("map", False), ("sampler", False)],
-                         ids=["shuffled", "in-order", "users-sampler"])
-def test_switches_through_dp_replicate_and_tp_train_on_the_same_samples_as_without(tmp_path, data, shuffle):
-    # validation at the end of the first epoch, right after the switch to tp=2 (the val loader is re-split too)
-    common = ["--data", data, "--steps", "6", "--val", "20", *(["--shuffle"] if shuffle else [])]
+@pytest.mark.parametrize("data,shuffle,workers", [("map", True, 0), ("map", False, 0), ("sampler", False, 0),
+                                                  ("map", True, 2)],
+                         ids=["shuffled", "in-order", "users-sampler", "loader-workers"])
+def test_switches_through_dp_replicate_and_tp_train_on_the_same_samples_as_without(tmp_path, data, shuffle, workers):
+    # validation at the end of the first epoch, right after the switch to tp=2 (the val loader is re-split too);
+    # with DataLoader workers, what they read ahead under the old split is dropped at each switch
+    common = ["--data", data, "--steps", "6", "--val", "20", "--workers", str(workers),
+              *(["--shuffle"] if shuffle else [])]
     static = launch("hf_data.py", 4, common, tmp_path / "static")
     switched = launch("hf_data.py", 4, [*common, "--switches", SAME_WORLD], tmp_path / "switched")
     assert all(r["layout"] == "dp_shard=2,tp=2" and r["accumulation"] == 6 for r in switched)
