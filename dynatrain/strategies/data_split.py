@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from dynatrain.data.elastic_sampler import ElasticSampler
@@ -105,7 +107,13 @@ class DataSplit:
                 batches = int(limit) if isinstance(limit, int) else int(len(dataloader) * limit)
                 elastic.max_samples = batches * micro * elastic.reference_dp
                 elastic._order = None
-        loader = _update_dataloader(dataloader, elastic, mode=trainer.state.stage)
+        try:
+            loader = _update_dataloader(dataloader, elastic, mode=trainer.state.stage)
+        except (MisconfigurationException, TypeError, ValueError) as e:
+            if training:
+                self.fixed.append(f"the training dataloader {type(dataloader).__name__} cannot be re-made with "
+                                  f"another sampler ({str(e).strip().splitlines()[0]})")
+            return dataloader
         (self.train if training else self.val).append((loader, elastic))
         return loader
 
@@ -277,7 +285,9 @@ class DataSplit:
         if strategy.detached or strategy.local_only:
             return
         mine = torch.tensor([strategy.dp_rank, fingerprint(batch)], dtype=torch.int64, device=strategy.root_device)
-        rows = strategy.all_gather(mine).view(-1, 2).tolist()
+        parts = [torch.empty_like(mine) for _ in range(strategy.world_size)]
+        dist.all_gather(parts, mine)  # not Lightning's all_gather, which goes through a deprecated autograd path
+        rows = torch.stack(parts).tolist()
         groups: dict[int, dict[int, list[int]]] = {}
         for rank, (dp_rank, fp) in enumerate(rows):
             groups.setdefault(dp_rank, {}).setdefault(fp, []).append(rank)
