@@ -114,3 +114,15 @@ def test_the_zoo_data_module_ends_its_epochs_where_it_would_after_a_switch(tmp_p
     switched = launch("user_switch.py", 4, [*common, "--switches", "3:dp_shard=2,tp=2"], tmp_path / "switched")
     for a, b in zip(switched[0]["losses"], static[0]["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (switched[0]["losses"], static[0]["losses"])
+
+
+def test_limit_train_batches_keeps_the_same_samples_an_epoch_on_every_split(tmp_path):
+    # 6 micro-batches of 4 ranks an epoch: 2 steps of 24 of the 96 samples, then a new epoch's order; the same under
+    # HSDP and under tp=2, where each rank reads 12 micro-batches an epoch.
+    common = ["--shuffle", "--steps", "6", "--limit", "6"]
+    static = launch("hf_data.py", 4, common, tmp_path / "static")
+    switched = launch("hf_data.py", 4, [*common, "--switches", "1:dp_replicate=2,dp_shard=2;3:dp_shard=2,tp=2"],
+                      tmp_path / "switched")
+    _assert_same_training(switched, static)
+    steps = static[0]["samples"]
+    assert all(len(step) == 24 for step in steps) and len({tuple(step) for step in steps}) == 6

@@ -42,6 +42,7 @@ class BatchMismatchError(RuntimeError):
 class _Stream:
     """An iterable dataset that re-splits itself (`DataParallelIterable`)."""
 
+    loader: DataLoader
     dataset: Any
     micro_batch_size: int
     global_batch_size: int
@@ -53,7 +54,7 @@ class DataSplit:
         self.train: list[tuple[DataLoader, ElasticSampler]] = []
         self.val: list[tuple[DataLoader, ElasticSampler]] = []
         self.streams: list[_Stream] = []
-        self.fixed: list[str] = []  # why a training loader's split cannot change
+        self.fixed: list[tuple[DataLoader, str]] = []  # the training loaders whose split cannot change, and why
         self.first_step = 0  # the trainer's global step at the start of the current epoch
         self._state: dict | None = None  # restored from a checkpoint (or a joiner's payload), until used
         self._resumed_epoch: int | None = None
@@ -65,10 +66,7 @@ class DataSplit:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or not isinstance(dataloader, DataLoader):
             return dataloader
         training = trainer.state.stage == RunningStage.TRAINING
-        if training and not any(d is dataloader for d, _ in self.train):
-            self.train, self.streams, self.fixed = [], [], []  # Lightning (re)loads the training loaders
-        elif not training:
-            self.val = [(d, s) for d, s in self.val if d is not dataloader]
+        self._forget_reloaded(trainer, training)
         if isinstance(dataloader.dataset, IterableDataset):
             if training:
                 self._take_stream(trainer, dataloader)
@@ -82,56 +80,71 @@ class DataSplit:
         source = _source(sampler)
         if source is None:
             if training:
-                self.fixed.append(f"the training dataloader's sampler {type(sampler).__name__} is not a "
-                                  "DistributedSampler that dynatrain can re-split")
+                self.fixed.append((dataloader, f"the training dataloader's sampler {type(sampler).__name__} is not "
+                                               "a DistributedSampler that dynatrain can re-split"))
             return dataloader
         micro = dataloader.batch_size if dataloader.batch_size is not None else \
             getattr(dataloader.batch_sampler, "batch_size", None)
         if micro is None:
             if training:
-                self.fixed.append(f"the training dataloader's batch sampler {type(dataloader.batch_sampler).__name__} "
-                                  "has no batch_size")
+                self.fixed.append((dataloader, f"the training dataloader's batch sampler "
+                                               f"{type(dataloader.batch_sampler).__name__} has no batch_size"))
             return dataloader
         size, rank = self.strategy.dp_size, self.strategy.dp_rank
-        glob = size * micro * trainer.accumulate_grad_batches if training else None
-        elastic = ElasticSampler(source, micro, glob, size, rank, shuffle=sampler.shuffle, seed=sampler.seed,
-                                 drop_last=sampler.drop_last)
-        if training:
-            saved = self._saved_sampler(len(self.train))
-            if saved is not None:
-                elastic.global_batch_size = saved["global_batch_size"]
-                elastic.load_state_dict(saved)
-                elastic.set_layout(size, rank)
-            limit = trainer.limit_train_batches
-            if limit != 1.0:  # Lightning's limit, in micro-batches of this split, kept as a number of samples
-                batches = int(limit) if isinstance(limit, int) else int(len(dataloader) * limit)
-                elastic.max_samples = batches * micro * elastic.reference_dp
-                elastic._order = None
+        saved = self._saved_sampler(len(self.train)) if training else None
+        reference = int(saved["reference_dp"]) if saved else size  # the split the run started with
+        glob = (saved["global_batch_size"] if saved else size * micro * trainer.accumulate_grad_batches) \
+            if training else None
+        limit = trainer.limit_train_batches
+        max_samples = None
+        if training and limit != 1.0:  # Lightning's limit, in micro-batches of the first split, kept in samples
+            per_rank = -(-len(sampler) // micro)
+            max_samples = (int(limit) if isinstance(limit, int) else int(per_rank * limit)) * micro * reference
+        elastic = ElasticSampler(source, micro, glob, reference, rank % reference, shuffle=sampler.shuffle,
+                                 seed=sampler.seed, drop_last=sampler.drop_last, max_samples=max_samples)
+        if saved is not None:
+            elastic.load_state_dict(saved)
+        elastic.set_layout(size, rank)
         try:
             loader = _update_dataloader(dataloader, elastic, mode=trainer.state.stage)
         except (MisconfigurationException, TypeError, ValueError) as e:
             if training:
-                self.fixed.append(f"the training dataloader {type(dataloader).__name__} cannot be re-made with "
-                                  f"another sampler ({str(e).strip().splitlines()[0]})")
+                self.fixed.append((dataloader, f"the training dataloader {type(dataloader).__name__} cannot be "
+                                               f"re-made with another sampler ({str(e).strip().splitlines()[0]})"))
             return dataloader
         (self.train if training else self.val).append((loader, elastic))
         return loader
 
+    def _forget_reloaded(self, trainer: "pl.Trainer", training: bool) -> None:
+        """Lightning (re)loads a stage's loaders: those of its current combined loader are being replaced."""
+        loop = trainer.fit_loop if training else trainer.fit_loop.epoch_loop.val_loop
+        combined = loop._combined_loader
+        old = [] if combined is None else list(combined.flattened)
+        stale = lambda loader: any(loader is d for d in old)  # noqa: E731
+        if training:
+            self.train = [(d, s) for d, s in self.train if not stale(d)]
+            self.streams = [x for x in self.streams if not stale(x.loader)]
+            self.fixed = [(d, why) for d, why in self.fixed if not stale(d)]
+        else:
+            self.val = [(d, s) for d, s in self.val if not stale(d)]
+
     def _take_stream(self, trainer: "pl.Trainer", dataloader: DataLoader) -> None:
         dataset = dataloader.dataset
         if not isinstance(dataset, DataParallelIterable):
-            self.fixed.append(f"the training dataloader reads an IterableDataset ({type(dataset).__name__}) whose "
-                              "split dynatrain cannot re-derive: implement set_data_parallel(dp_size, dp_rank, "
-                              "next_global_sample) on it (dynatrain.data.iterable.DataParallelIterable)")
+            self.fixed.append((dataloader, f"the training dataloader reads an IterableDataset "
+                                           f"({type(dataset).__name__}) whose split dynatrain cannot re-derive: "
+                                           "implement set_data_parallel(dp_size, dp_rank, next_global_sample) on it "
+                                           "(dynatrain.data.iterable.DataParallelIterable)"))
             return
         if dataloader.num_workers > 0 and dataloader.persistent_workers:
-            self.fixed.append(f"{type(dataset).__name__} is read by persistent DataLoader workers, whose copies of "
-                              "the dataset a switch cannot reach: use persistent_workers=False")
+            self.fixed.append((dataloader, f"{type(dataset).__name__} is read by persistent DataLoader workers, "
+                                           "whose copies of the dataset a switch cannot reach: use "
+                                           "persistent_workers=False"))
             return
         micro = dataloader.batch_size or 1
         saved = self._saved_stream(len(self.streams))
         glob = saved["global_batch_size"] if saved else self.strategy.dp_size * micro * trainer.accumulate_grad_batches
-        stream = _Stream(dataset, micro, glob)
+        stream = _Stream(dataloader, dataset, micro, glob)
         self.streams.append(stream)
         dataset.set_data_parallel(self.strategy.dp_size, self.strategy.dp_rank, glob * trainer.global_step)
 
@@ -157,7 +170,7 @@ class DataSplit:
         """Raise ValueError now if a switch to ``dp_size`` ranks could not keep every global batch."""
         if self.fixed and (dp_size != self.strategy.dp_size or not dp_ranks_kept):
             raise ValueError(f"this switch changes the data-parallel split ({self.strategy.dp_size} -> {dp_size} "
-                             f"ranks), and {'; '.join(self.fixed)}")
+                             f"ranks), and {'; '.join(why for _, why in self.fixed)}")
         self.accumulation_for(dp_size)
 
     # ---- a switch -----------------------------------------------------------------------------------------

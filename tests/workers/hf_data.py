@@ -215,6 +215,7 @@ def main() -> None:
     ap.add_argument("--elastic", action="store_true")
     ap.add_argument("--check-batches", action="store_true")
     ap.add_argument("--val", type=int, default=0, help="validate on this many samples at every epoch's end")
+    ap.add_argument("--limit", type=int, default=None, help="limit_train_batches (micro-batches an epoch)")
     ap.add_argument("--save", default=None, metavar="STEP:DIR", help="ModelCheckpoint into DIR every STEP steps")
     ap.add_argument("--resume", default=None, help="resume from this checkpoint")
     args = ap.parse_args()
@@ -233,6 +234,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,
         default_root_dir=os.path.dirname(os.path.abspath(args.out)), accumulate_grad_batches=args.accumulate,
+        limit_train_batches=args.limit,
         enable_checkpointing=bool(args.save), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1.0 if args.val else 0, callbacks=callbacks,
         use_distributed_sampler=args.data != "broken",
