@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
+from dynatrain.data.sampler import check_rank
+
 
 def distributed_order(indices: list[int], dp_size: int, shuffle: bool, seed: int, epoch: int,
                       drop_last: bool) -> list[int]:
@@ -64,8 +66,7 @@ class ElasticSampler(DistributedSampler):
     def __init__(self, source: Sized | Sampler, micro_batch_size: int, global_batch_size: int | None,
                  dp_size: int, dp_rank: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  max_samples: int | None = None) -> None:
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size={dp_size}, got {dp_rank}")
+        check_rank(dp_size, dp_rank)
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
         self.source = source
@@ -190,8 +191,7 @@ class ElasticSampler(DistributedSampler):
     def set_layout(self, dp_size: int, dp_rank: int, step: int | None = None, micro_done: int = 0) -> None:
         """Read as rank ``dp_rank`` of ``dp_size`` from the epoch's step ``step`` (default: where the iterator
         is), after this rank has read ``micro_done`` micro-batches of the epoch."""
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size={dp_size}, got {dp_rank}")
+        check_rank(dp_size, dp_rank)
         if self.training:
             self.accumulation_for(dp_size)
             if step is not None:

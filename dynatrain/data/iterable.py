@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dynatrain.data.dataset import TokenWindows
+from dynatrain.data.sampler import check_rank
 
 
 @runtime_checkable
@@ -48,8 +49,7 @@ class IterableTokenWindows(IterableDataset):
         self._perm: tuple[int, torch.Tensor] | None = None
 
     def set_data_parallel(self, dp_size: int, dp_rank: int, next_global_sample: int) -> None:
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size={dp_size}, got {dp_rank}")
+        check_rank(dp_size, dp_rank)
         if next_global_sample < 0:
             raise ValueError(f"next_global_sample must be >= 0, got {next_global_sample}")
         self.dp_size, self.dp_rank, self.start = dp_size, dp_rank, next_global_sample

@@ -43,6 +43,11 @@ def check_batch_sizes(global_batch_size: int, dp_size: int, micro_batch_size: in
     return global_batch_size // per_step
 
 
+def check_rank(dp_size: int, dp_rank: int) -> None:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size={dp_size}, got {dp_rank}")
+
+
 class GlobalBatchSampler(DistributedSampler):
     """Yields this data-parallel rank's sample indices, step after step, for `DataLoader(batch_size=m)`.
 
@@ -67,7 +72,7 @@ class GlobalBatchSampler(DistributedSampler):
     ) -> None:
         n = dataset if isinstance(dataset, int) else len(dataset)
         self._accumulation = check_batch_sizes(global_batch_size, dp_size, micro_batch_size)
-        self._check_rank(dp_size, dp_rank)
+        check_rank(dp_size, dp_rank)
         if n < global_batch_size:
             raise ValueError(f"the training set has {n} samples, fewer than one global batch of {global_batch_size}: "
                              "lower global_batch_size or seq_len, or add data")
@@ -86,10 +91,6 @@ class GlobalBatchSampler(DistributedSampler):
                          shuffle=shuffle, seed=seed, drop_last=True)
         self._sync_base_fields()
 
-    @staticmethod
-    def _check_rank(dp_size: int, dp_rank: int) -> None:
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size={dp_size}, got {dp_rank}")
 
     def _sync_base_fields(self) -> None:
         # DistributedSampler's public fields, kept truthful for code that reads them.
@@ -108,7 +109,7 @@ class GlobalBatchSampler(DistributedSampler):
     def set_layout(self, dp_size: int, dp_rank: int) -> None:
         """Applies from the next global step an iterator starts (see the module notes on switching)."""
         acc = check_batch_sizes(self.global_batch_size, dp_size, self.micro_batch_size)
-        self._check_rank(dp_size, dp_rank)
+        check_rank(dp_size, dp_rank)
         self.dp_size, self.dp_rank, self._accumulation = dp_size, dp_rank, acc
         self._sync_base_fields()
 
@@ -283,7 +284,7 @@ class ShardedEvalSampler(DistributedSampler):
 
     def __init__(self, dataset: Sized | int, dp_size: int = 1, dp_rank: int = 0, multiple_of: int = 1) -> None:
         n = dataset if isinstance(dataset, int) else len(dataset)
-        GlobalBatchSampler._check_rank(dp_size, dp_rank)
+        check_rank(dp_size, dp_rank)
         self.num_total = n
         self.multiple_of = multiple_of
         self.dp_size, self.dp_rank = dp_size, dp_rank
@@ -303,7 +304,7 @@ class ShardedEvalSampler(DistributedSampler):
 
     def set_layout(self, dp_size: int, dp_rank: int) -> None:
         """Applies from the next `iter()`, which is the next validation run."""
-        GlobalBatchSampler._check_rank(dp_size, dp_rank)
+        check_rank(dp_size, dp_rank)
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self._sync_base_fields()
 
