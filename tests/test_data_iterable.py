@@ -3,6 +3,7 @@ steps without skipping or repeating a sample."""
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from dynatrain.data.iterable import DataParallelIterable, IterableTokenWindows
@@ -61,3 +62,12 @@ def test_dataloader_workers_split_a_ranks_micro_batches():
     assert [i for b in batches for i in b] == _first(ref, 8)
     with pytest.raises(ValueError, match="batch_size"):
         next(iter(DataLoader(IterableTokenWindows(TOKENS, 8), batch_size=2, num_workers=2)))
+
+
+def test_the_embedded_corpus_is_such_a_stream():
+    d = IterableTokenWindows.embedded(seq_len=16, max_corpus_bytes=20_000)
+    assert isinstance(d, DataParallelIterable) and len(d.windows) > 100
+    d.set_data_parallel(2, 1, 10)
+    tokens, labels = next(iter(d))
+    assert tokens.shape == labels.shape == (16,) and torch.equal(tokens[1:], labels[:-1])
+    assert torch.equal(tokens, d.windows[11][0])

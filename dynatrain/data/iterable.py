@@ -21,12 +21,20 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dynatrain.data.corpus import DEFAULT_MAX_CORPUS_BYTES, embedded_corpus
 from dynatrain.data.dataset import TokenWindows
 from dynatrain.data.sampler import check_rank
+from dynatrain.data.tokenizer import ByteTokenizer
 
 
 @runtime_checkable
 class DataParallelIterable(Protocol):
+    @classmethod
+    def embedded(cls, seq_len: int, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES, **kwargs
+                 ) -> "IterableTokenWindows":
+        """The embedded corpus (this interpreter's standard library, bytes as tokens) as such a stream."""
+        return cls(embedded_corpus(ByteTokenizer(), max_corpus_bytes), seq_len, **kwargs)
+
     def set_data_parallel(self, dp_size: int, dp_rank: int, next_global_sample: int) -> None: ...
 
 
@@ -47,6 +55,12 @@ class IterableTokenWindows(IterableDataset):
         self.dp_size, self.dp_rank, self.start = 1, 0, 0
         self._version = 0
         self._perm: tuple[int, torch.Tensor] | None = None
+
+    @classmethod
+    def embedded(cls, seq_len: int, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES, **kwargs
+                 ) -> "IterableTokenWindows":
+        """The embedded corpus (this interpreter's standard library, bytes as tokens) as such a stream."""
+        return cls(embedded_corpus(ByteTokenizer(), max_corpus_bytes), seq_len, **kwargs)
 
     def set_data_parallel(self, dp_size: int, dp_rank: int, next_global_sample: int) -> None:
         check_rank(dp_size, dp_rank)
