@@ -48,3 +48,32 @@ def test_verbose_keeps_everything(clean, monkeypatch):
     pl, _ = clean
     quiet.quiet_libraries()
     assert _shown(pl, "GPU available: False, used: False")
+
+
+def test_a_failed_selfchecks_logs_lose_the_start_up_lines_and_keep_the_error(clean, monkeypatch):
+    logs = ("--- rank 0 ---\nGPU available: False, used: False\nTPU available: False, using: 0 TPU cores\n"
+            "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]\n"
+            "[rank: 0] Seed set to 1234\nValueError: cannot switch to tp=3")
+    assert quiet.without_library_lines(logs) == "--- rank 0 ---\nValueError: cannot switch to tp=3"
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    assert quiet.without_library_lines(logs) == logs
+
+
+def _cli(*args: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    return subprocess.run([sys.executable, "-m", "dynatrain.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_a_missing_token_file_and_a_missing_recipe_are_named_without_a_traceback():
+    join = _cli("join", "--endpoint", "127.0.0.1:1", "--token-file", "/nonexistent/token")
+    assert join.returncode == 1 and "Traceback" not in join.stderr
+    assert "cannot read --token-file /nonexistent/token: No such file or directory" in join.stderr
+    fit = _cli("fit", "--config", "/nonexistent.yaml")
+    assert fit.returncode != 0 and "Traceback" not in fit.stderr
+    assert "File does not exist: '/nonexistent.yaml'" in fit.stderr and "run: dynatrain fit --help" in fit.stderr

@@ -35,7 +35,11 @@ def run(args) -> int:
     from dynatrain.cli.train import run_lightning_cli
     from dynatrain.elastic.store import connect
 
-    token = Path(args.token_file).read_text().strip() if args.token_file else args.token
+    try:
+        token = Path(args.token_file).read_text().strip() if args.token_file else args.token
+    except OSError as e:
+        raise SystemExit(f"dynatrain join: cannot read --token-file {args.token_file}: {e.strerror}; give the file "
+                         f"the job's launcher wrote (runs/.elastic/token), or --token / ${TOKEN_ENV}") from None
     if not args.endpoint or not token:
         raise SystemExit(f"dynatrain join: give --endpoint and --token (or ${ENDPOINT_ENV} and ${TOKEN_ENV})")
     store = connect(args.endpoint, token)

@@ -58,3 +58,12 @@ def quiet_libraries() -> None:
             logger.addFilter(_LibraryLines())
     for text in _WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(text))
+
+
+def without_library_lines(text: str) -> str:
+    """``text`` (processes' logs) less the library lines above, so that what failed stands out (nothing when
+    verbose)."""
+    if os.environ.get(VERBOSE_ENV) == "1":
+        return text
+    return "\n".join(line for line in text.splitlines()
+                     if not (line.startswith(_INFO) or _SEED.match(line) or line.startswith("💡 Tip:")))

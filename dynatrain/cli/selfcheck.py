@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dynatrain.cli.quiet import without_library_lines
 from dynatrain.launcher import PRELOAD, LaunchError, launch_local
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.moe_configs import MOE_CONFIGS
@@ -166,7 +167,7 @@ def run(args) -> int:
             static = launch_local([*common, "--static"], devices, Path(tmp), timeout=args.timeout, name="static",
                                   preload=PRELOAD, keep_zygote=True)
         except LaunchError as e:
-            print(f"selfcheck failed to run:\n{e}", file=sys.stderr)
+            print(f"selfcheck failed to run:\n{without_library_lines(str(e))}", file=sys.stderr)
             return 1
         victims = sorted(p.name for p in (Path(tmp) / "switching").glob("victim-*"))
     died = [r for r in switching if r is None]

@@ -136,6 +136,8 @@ def run_lightning_cli(argv: list[str]) -> int:
         trainer_defaults={"strategy": "dynatrain", "accelerator": "auto", "use_distributed_sampler": False},
         save_config_kwargs={"overwrite": True},
         seed_everything_default=1234,
+        # The program's name in usage lines and tips: a training command restarts itself as `python -m dynatrain.cli`.
+        parser_kwargs={"prog": "dynatrain"},
     )
     trainer = cli.trainer
     if getattr(trainer.strategy, "detached", False) and os.environ.get(REJOIN_ENV) == "1":
