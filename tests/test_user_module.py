@@ -105,3 +105,32 @@ def test_selfcheck_module_checks_a_users_own_module_through_a_scale_in_and_out_a
     layouts = ["dp_shard=4", "dp_shard=3", "dp_shard=2,tp=2"]
     result = selfcheck_module("user_model:UserLM", layouts)
     assert result["worlds"] == [4, 3, 4] and result["joiners"] == 1
+
+
+def test_fully_shard_on_the_module_a_dtensor_buffer_an_unmovable_dtype_and_foreign_tensors_are_refused(
+        one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from workers.user_model import TinyLM
+
+    mesh = init_device_mesh("cpu", (1,))
+    whole = TinyLM(layers=1)
+    fully_shard(whole, mesh=mesh)
+    with pytest.raises(ValueError, match="fully_shard was applied to the LightningModule itself"):
+        check_switchable(whole, [])
+    with_dtensor = TinyLM(layers=1)
+    with_dtensor.register_buffer("scale", distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    with pytest.raises(ValueError, match="buffer 'scale' is a DTensor"):
+        check_switchable(with_dtensor, [])
+    complex_buffer = TinyLM(layers=1)
+    complex_buffer.register_buffer("phase", torch.ones(4, dtype=torch.complex128))
+    with pytest.raises(ValueError, match="buffer 'phase' has dtype torch.complex128, which a switch cannot move"):
+        check_switchable(complex_buffer, [])
+    model = TinyLM(layers=1)
+    foreign = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([*model.parameters(), foreign], lr=0.1)
+    with pytest.raises(ValueError, match="optimizes 1 tensor\\(s\\) that are not parameters of the LightningModule"):
+        check_switchable(model, [opt])
+    check_switchable(model, [torch.optim.SGD(model.parameters(), lr=0.1)])  # the same without the foreign tensor
