@@ -134,3 +134,20 @@ def test_fully_shard_on_the_module_a_dtensor_buffer_an_unmovable_dtype_and_forei
     with pytest.raises(ValueError, match="optimizes 1 tensor\\(s\\) that are not parameters of the LightningModule"):
         check_switchable(model, [opt])
     check_switchable(model, [torch.optim.SGD(model.parameters(), lr=0.1)])  # the same without the foreign tensor
+
+
+def test_the_oracle_compares_non_persistent_buffers_with_what_was_saved_not_with_themselves(tmp_path):
+    from dynatrain.selfcheck import oracle
+    from workers.user_model import TinyLM
+
+    live = TinyLM(layers=1)
+    live.positions_seen += 5  # non-persistent: DCP does not hold it
+    opt = torch.optim.SGD(live.parameters(), lr=0.1)
+    oracle.save(live, opt, tmp_path / "ckpt")
+    fresh = TinyLM(layers=1)
+    fresh.load_state_dict(live.state_dict())
+    oracle.restore_buffers(fresh, tmp_path / "ckpt")
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    assert oracle.bitwise_equal(live, opt, fresh, fresh_opt, torch.device("cpu"))
+    live.positions_seen += 1  # a switch that carried the buffer wrong
+    assert not oracle.bitwise_equal(live, opt, fresh, fresh_opt, torch.device("cpu"))

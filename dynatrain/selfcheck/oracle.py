@@ -30,20 +30,46 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     msd, osd = get_state_dict(module, optimizer, options=_OPTIONS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    # DCP holds the persistent buffers; the others each rank saves as it has them, beside the checkpoint.
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save({n: b.detach().cpu().clone() for n, b in _non_persistent_buffers(module)},
+               Path(path) / f"buffers-{rank}.pt")
+
+
+def _non_persistent_buffers(module: torch.nn.Module):
+    for prefix, owner in module.named_modules():
+        for key in owner._non_persistent_buffers_set:
+            b = owner._buffers.get(key)
+            if b is not None:
+                yield (f"{prefix}.{key}" if prefix else key), b
+
+
+def restore_buffers(module: torch.nn.Module, path: Path) -> None:
+    """The non-persistent buffers saved beside the checkpoint at ``path``, into ``module``."""
+    saved = _saved_buffers(path)
+    with torch.no_grad():
+        for name, b in _non_persistent_buffers(module):
+            if name in saved and not b.is_meta:
+                b.copy_(saved[name])
+
+
+def _saved_buffers(path: Path) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers of every rank that saved the checkpoint (a pipeline stage holds its own)."""
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("buffers-*.pt")):
+        for name, value in torch.load(file, weights_only=True).items():
+            out.setdefault(name, value)
+    return out
 
 
 def load_into_layout(strategy, module, path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A fresh copy of the LightningModule and optimizer on the strategy's current (new) mesh, built by the
-    module's own parallelisation and filled from the checkpoint at path by DCP. Buffers DCP does not hold
-    (non-persistent ones) are the live module's."""
+    module's own parallelisation and filled from the checkpoint at path: by DCP, and the buffers DCP does not hold
+    (non-persistent ones) from what the ranks saved beside it, never from the live module it is compared with."""
     fresh = strategy.build_target(strategy.device_mesh, strategy.parallel_config)
     for name in param_children(fresh):
         fresh._modules[name].to_empty(device=strategy.root_device)
-    live_buffers = dict(module.named_buffers())
-    with torch.no_grad():
-        for name, b in fresh.named_buffers():
-            if name in live_buffers and not b.is_meta:
-                b.copy_(live_buffers[name])
+    restore_buffers(fresh, path)
     live = strategy.optimizers[0]
     names = {id(p): n for n, p in module.named_parameters()}
     params = dict(fresh.named_parameters())
