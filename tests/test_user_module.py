@@ -107,6 +107,15 @@ def test_selfcheck_module_checks_a_users_own_module_through_a_scale_in_and_out_a
     assert result["worlds"] == [4, 3, 4] and result["joiners"] == 1
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_selfcheck_module_checks_a_users_moe_module_through_world_changes_against_the_dcp_oracle():
+    """The zoo's mixture of experts in a user's module (its own configure_model()): ep=4 on 4 processes, a scale-in
+    to 3 without ep, a scale-out to 4 with tp and ep; the router's buffers move with it."""
+    result = selfcheck_module("user_model:MoELM", ["dp_shard=4,ep=4", "dp_shard=3", "dp_shard=2,tp=2,ep=2"])
+    assert result["worlds"] == [4, 3, 4] and result["loss_max_rel_diff"] <= 1e-5
+
+
 def test_fully_shard_on_the_module_a_dtensor_buffer_an_unmovable_dtype_and_foreign_tensors_are_refused(
         one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
