@@ -239,8 +239,8 @@ class ElasticSampler(DistributedSampler):
         return self._generate()
 
     def _generate(self) -> Iterator[int]:
-        if self._next_step >= self.steps_per_epoch:
-            self._next_step = 0  # iterated again after the epoch's end: the epoch once more, as any sampler
+        # From the position to the epoch's end: nothing when the epoch is over (a resume at its last step), until
+        # `set_epoch` starts the next one.
         while self._next_step < self.steps_per_epoch:
             version, step = self._version, self._next_step
             mine = self.rank_indices(step)

@@ -2,7 +2,8 @@
 
 Each draw keeps the world (re-lays the same processes out) or changes it to another size up to ``max_devices``
 (processes leave, or join), and picks uniformly among the layouts of that world the model accepts over the terms
-asked for (``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``ep``), never the layout it comes from. A sequence is
+asked for (``dp_replicate``, ``dp_shard``, ``tp``, ``pp``, ``ep``), never the layout it comes from; for a module of
+the user's, whose config is unknown here, tp takes powers of two. A sequence is
 drawn again, from the same generator, until at least three terms take a value above 1 somewhere in it. With a death,
 one transition is a process killed in the middle of a step of a layout that keeps every shard twice; the survivors
 rebuild the state in memory and go on with the strategy's fallback layout, from which the sequence continues. Pure:
@@ -35,6 +36,8 @@ def candidates(world: int, model, terms: tuple[str, ...]) -> list[ParallelConfig
         if (r > 1 and "dp_replicate" not in terms) or (t > 1 and "tp" not in terms) or \
                 (p > 1 and ("pp" not in terms or layers is None or p > layers)):
             continue
+        if model is None and t & (t - 1):
+            continue  # a module of the user's says which tp it serves only when asked: powers of two, as heads are
         eps = [e for e in range(1, s + 1) if s % e == 0] if "ep" in terms else [1]
         for e in eps:
             try:

@@ -104,7 +104,10 @@ class DataSplit:
                                  seed=sampler.seed, drop_last=sampler.drop_last, max_samples=max_samples)
         if saved is not None:
             elastic.load_state_dict(saved)
-        elastic.set_layout(size, rank)
+        # Lightning measures the loader right after this, against the count of micro-batches it restored: a resume
+        # (or a joiner) inside an epoch, at its end included, sees the epoch as the run read it.
+        step, micro_done = self._resumed_position(trainer) if saved is not None else (None, 0)
+        elastic.set_layout(size, rank, step=step, micro_done=micro_done)
         try:
             loader = _update_dataloader(dataloader, elastic, mode=trainer.state.stage)
         except (MisconfigurationException, TypeError, ValueError) as e:
@@ -234,7 +237,17 @@ class DataSplit:
         """At the start of fit, after Lightning restored a checkpoint (or a joiner's payload): whether training
         goes on inside the epoch it was saved in; if so, every loader continues at the saved step."""
         saved, self._state = self._state, None
-        if saved is None or saved.get("epoch") != trainer.current_epoch:
+        if saved is None:
+            return False
+        if saved.get("epoch") != trainer.current_epoch:
+            # Saved at an epoch's last step: Lightning goes on with the next epoch, without announcing it.
+            self._resumed_epoch = trainer.current_epoch
+            self.first_step = trainer.global_step
+            if self.owned:
+                for _, sampler in self.train:
+                    sampler.set_epoch(trainer.current_epoch)
+                self._keep_global_batch(trainer)
+                self._lengths(trainer)
             return False
         self.first_step, self._resumed_epoch = int(saved["first_step"]), trainer.current_epoch
         if self.owned:
@@ -251,16 +264,23 @@ class DataSplit:
         return True
 
     def on_epoch_start(self, trainer: "pl.Trainer") -> bool:
-        """Whether the epoch starting is the one training resumed inside (already set up by `on_train_start`)."""
+        """Whether the epoch starting is the one training resumed in (already set up by `on_train_start`)."""
         if self._resumed_epoch == trainer.current_epoch:
             self._resumed_epoch = None
-            return True
+            return trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0
         self._resumed_epoch = None
         self.first_step = trainer.global_step
         if self.owned:
             self._keep_global_batch(trainer)
         self._lengths(trainer)
         return False
+
+    def _resumed_position(self, trainer: "pl.Trainer") -> tuple[int | None, int]:
+        """(step of the epoch, micro-batches this rank read in it) that a restored run goes on from."""
+        if self._state is None or self._state.get("epoch") != trainer.current_epoch:
+            return None, 0
+        step = trainer.global_step - int(self._state["first_step"])
+        return step, trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def _keep_global_batch(self, trainer: "pl.Trainer") -> None:
         accumulation = self.accumulation_for(self.strategy.dp_size)  # a resume may run on another split
