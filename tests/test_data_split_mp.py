@@ -83,13 +83,13 @@ def test_the_batch_guard_names_the_ranks_of_a_tp_group_that_read_different_batch
         assert "ranks [0, 1] share data-parallel rank 0" in res["error"] and "step 0" in res["error"], res["error"]
 
 
-@pytest.mark.parametrize("devices,at", [(2, 3), (3, 3)], ids=["2-devices", "3-devices"])
+@pytest.mark.parametrize("devices,at", [(2, 3), (3, 3), (3, 5)], ids=["2-mid-epoch", "3-mid-epoch", "3-epoch-end"])
 def test_a_checkpoint_taken_on_4_resumes_on_fewer_with_the_same_next_global_batches(tmp_path, devices, at):
     common = ["--shuffle", "--samples", "120"]  # 5 steps of 24 an epoch
     static = launch("hf_data.py", 4, [*common, "--steps", "7"], tmp_path / "static")
     launch("hf_data.py", 4, [*common, "--steps", str(at + 1), "--save", f"{at}:{tmp_path / 'ckpt'}"],
            tmp_path / "first")
-    [ckpt] = (tmp_path / "ckpt").glob(f"*step={at}*")  # inside the first epoch
+    [ckpt] = (tmp_path / "ckpt").glob(f"*step={at}*")  # inside the first epoch, or at its last step
     resumed = launch("hf_data.py", devices, [*common, "--steps", "7", "--layout", f"dp_shard={devices}",
                                               "--resume", str(ckpt)], tmp_path / "resumed")
     for res in resumed:

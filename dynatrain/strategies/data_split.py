@@ -240,15 +240,18 @@ class DataSplit:
         if saved is None:
             return False
         if saved.get("epoch") != trainer.current_epoch:
-            # Saved at an epoch's last step: Lightning goes on with the next epoch, without announcing it.
+            # Saved at an epoch's last step: Lightning goes on with the next epoch without announcing it, counting
+            # its micro-batches on from the saved epoch's count; the whole next epoch comes after them.
             self._resumed_epoch = trainer.current_epoch
             self.first_step = trainer.global_step
             if self.owned:
+                ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+                self._keep_global_batch(trainer)
                 for _, sampler in self.train:
                     sampler.set_epoch(trainer.current_epoch)
-                self._keep_global_batch(trainer)
+                    sampler.set_layout(self.strategy.dp_size, self.strategy.dp_rank, step=0, micro_done=ready)
                 self._lengths(trainer)
-            return False
+            return True
         self.first_step, self._resumed_epoch = int(saved["first_step"]), trainer.current_epoch
         if self.owned:
             self._keep_global_batch(trainer)
