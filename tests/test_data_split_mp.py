@@ -46,11 +46,13 @@ def test_switches_through_dp_replicate_and_tp_train_on_the_same_samples_as_witho
         assert abs(res["val_losses"][0] - static[0]["val_losses"][0]) <= 1e-5 * static[0]["val_losses"][0]
 
 
-def test_a_scale_in_and_out_keeps_every_global_batch(tmp_path):
-    # 4 steps an epoch: the scale-in after step 2, the joiner enters after step 5, inside the second epoch
+@pytest.mark.parametrize("out_at", [4, 3], ids=["inside-an-epoch", "at-an-epoch-end"])
+def test_a_scale_in_and_out_keeps_every_global_batch(tmp_path, out_at):
+    # 4 steps an epoch: the scale-in after step 2; the joiner enters after step 5, inside the second epoch, or after
+    # step 4, the first epoch's last
     common = ["--shuffle", "--steps", "6"]
     static = launch("hf_data.py", 4, common, tmp_path / "static")
-    args = ["--elastic", *common, "--switches", "1:dp_shard=3;4:dp_shard=4"]
+    args = ["--elastic", *common, "--switches", f"1:dp_shard=3;{out_at}:dp_shard=4"]
     members, joiners = launch_elastic("hf_data.py", 4, args, tmp_path / "elastic", joiners=[args], timeout=400)
     assert sum(m["left"] for m in members) == 1
     assert [r["layout"] for r in members + joiners if not r["left"]] == ["dp_shard=4"] * 4

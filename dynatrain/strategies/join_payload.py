@@ -61,7 +61,7 @@ def loop_checkpoint(trainer: pl.Trainer) -> dict:
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": pl.__version__,
-        "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+        "loops": {"fit_loop": _fit_loop_state(trainer)},
         "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
     }
     datamodule = getattr(trainer, "datamodule", None)
@@ -69,6 +69,20 @@ def loop_checkpoint(trainer: pl.Trainer) -> dict:
         ckpt[type(datamodule).__qualname__] = datamodule.state_dict()
     ckpt["callbacks"] = _callback_states(trainer)
     return json.loads(json.dumps(ckpt))  # what crosses the store is JSON: fail here, not on the joiner
+
+
+def _fit_loop_state(trainer: pl.Trainer) -> dict:
+    """Lightning's fit loop as of the switch boundary, in the form a checkpoint saved by a callback at the end of that
+    micro-batch has (its batch counted as processed, not yet completed). At an epoch's last micro-batch, Lightning
+    resumes from that form into the next epoch, as the members go on; from a completed last batch it would restart
+    the finished epoch with one more step of its loop (a collective) than the members run."""
+    state = trainer.fit_loop.state_dict()
+    progress = state.get("epoch_loop.batch_progress")
+    if progress is not None and progress.get("is_last_batch"):
+        for part in ("total", "current"):
+            counts = progress[part]
+            counts["completed"] = min(counts["completed"], counts["processed"] - 1)
+    return state
 
 
 def _callback_states(trainer: pl.Trainer) -> dict[str, dict]:
