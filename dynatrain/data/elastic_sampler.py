@@ -24,6 +24,13 @@ from torch.utils.data import DistributedSampler, Sampler
 from dynatrain.data.sampler import check_rank
 
 
+def distributed_length(n: int, dp_size: int, drop_last: bool) -> int:
+    """How many of ``n`` samples `DistributedSampler` splits over ``dp_size`` ranks: padded to a multiple of it, or
+    cut to one with ``drop_last``."""
+    per_rank = math.ceil((n - dp_size) / dp_size) if drop_last and n % dp_size else math.ceil(n / dp_size)
+    return per_rank * dp_size
+
+
 def distributed_order(indices: list[int], dp_size: int, shuffle: bool, seed: int, epoch: int,
                       drop_last: bool) -> list[int]:
     """The whole list `DistributedSampler(num_replicas=dp_size, shuffle, seed, drop_last)` splits in ``epoch``:
@@ -35,11 +42,7 @@ def distributed_order(indices: list[int], dp_size: int, shuffle: bool, seed: int
         order = [indices[i] for i in torch.randperm(n, generator=g).tolist()]
     else:
         order = list(indices)
-    if drop_last and n % dp_size:
-        per_rank = math.ceil((n - dp_size) / dp_size)
-    else:
-        per_rank = math.ceil(n / dp_size)
-    total = per_rank * dp_size
+    total = distributed_length(n, dp_size, drop_last)
     if total <= n:
         return order[:total]
     pad = total - n
@@ -132,11 +135,8 @@ class ElasticSampler(DistributedSampler):
     def epoch_length(self) -> int:
         if isinstance(self.source, Sampler) and not isinstance(self.source, Sized):
             return len(self.order())
-        n = len(self.source)
         reference = self.reference_dp if self.training else self.dp_size
-        per_rank = math.ceil((n - reference) / reference) if self.drop_last and n % reference else \
-            math.ceil(n / reference)
-        length = per_rank * reference
+        length = distributed_length(len(self.source), reference, self.drop_last)
         return length if self.max_samples is None or not self.training else min(length, self.max_samples)
 
     @property
@@ -211,15 +211,6 @@ class ElasticSampler(DistributedSampler):
     def next_step(self) -> int:
         return self._next_step
 
-    def micro_batches_left(self, from_step: int | None = None) -> int:
-        """Micro-batches this rank reads from ``from_step`` (default: the position) to the epoch's end."""
-        step = self._next_step if from_step is None else from_step
-        total = 0
-        for s in range(step, self.steps_per_epoch):
-            start, end = self.step_window(s)
-            total += math.ceil(((end - start) // self.dp_size) / self.micro_batch_size)
-        return total
-
     def __len__(self) -> int:
         """Indices this rank reads in the epoch as it runs: what it read before the current split, then the rest.
 
@@ -227,10 +218,8 @@ class ElasticSampler(DistributedSampler):
         if not self.training:
             return self.epoch_length() // self.dp_size
         step, micro_done = self._base
-        rest = 0
-        for s in range(step, self.steps_per_epoch):
-            start, end = self.step_window(s)
-            rest += (end - start) // self.dp_size
+        # Every step from there splits evenly over the ranks (`accumulation_for` holds each split to it).
+        rest = (self.epoch_length() - self.step_window(step)[0]) // self.dp_size
         return micro_done * self.micro_batch_size + rest
 
     def __iter__(self) -> Iterator[int]:

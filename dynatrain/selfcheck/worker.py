@@ -237,8 +237,7 @@ class StepSamples(pl.Callback):
     def on_train_step_discarded(self) -> None:
         # A process was lost mid-step: the step runs again on the survivors, who read its samples afresh.
         for sampler in self._seen:
-            if sampler.trace is not None:
-                sampler.trace.clear()
+            sampler.trace.clear()
 
     @staticmethod
     def _samplers(trainer) -> list:
@@ -253,18 +252,16 @@ class StepSamples(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        samplers = [s for s in self._samplers(trainer) if s.trace is not None]
-        if not samplers or not strategy.at_step_boundary() or strategy.detached:
+        if not self._seen or not strategy.at_step_boundary() or strategy.detached:
             return
-        mine = [i for s in samplers for i in s.trace]
-        for s in samplers:
+        mine = [i for s in self._seen for i in s.trace]
+        for s in self._seen:
             s.trace.clear()
-        rows = [None] * dist.get_world_size() if dist.is_initialized() else [None]
+        rows = [(strategy.dp_rank, mine)]
         if dist.is_initialized():
+            rows = [None] * dist.get_world_size()
             dist.all_gather_object(rows, (strategy.dp_rank, mine))
-        else:
-            rows = [(0, mine)]
-        per_rank = {dp_rank: indices for dp_rank, indices in rows}
+        per_rank = dict(rows)
         self.samples.append(sorted(i for indices in per_rank.values() for i in indices))
 
 

@@ -43,9 +43,12 @@ class _Stream:
     """An iterable dataset that re-splits itself (`DataParallelIterable`)."""
 
     loader: DataLoader
-    dataset: Any
     micro_batch_size: int
     global_batch_size: int
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
 
 
 class DataSplit:
@@ -147,8 +150,7 @@ class DataSplit:
         micro = dataloader.batch_size or 1
         saved = self._saved_stream(len(self.streams))
         glob = saved["global_batch_size"] if saved else self.strategy.dp_size * micro * trainer.accumulate_grad_batches
-        stream = _Stream(dataloader, dataset, micro, glob)
-        self.streams.append(stream)
+        self.streams.append(_Stream(dataloader, micro, glob))
         dataset.set_data_parallel(self.strategy.dp_size, self.strategy.dp_rank, glob * trainer.global_step)
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -185,17 +187,21 @@ class DataSplit:
         accumulation = self.accumulation_for(dp_size)
         if accumulation is not None:
             trainer.accumulate_grad_batches = accumulation
-        step = trainer.global_step - self.first_step
         micro_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        for _, sampler in self.train:
-            sampler.set_layout(dp_size, dp_rank, step=min(step, sampler.steps_per_epoch), micro_done=micro_done)
-        for stream in self.streams:
-            stream.dataset.set_data_parallel(dp_size, dp_rank, stream.global_batch_size * trainer.global_step)
+        self._resplit(trainer, dp_size, dp_rank, trainer.global_step - self.first_step, micro_done)
         for _, sampler in self.val:
             sampler.set_layout(dp_size, dp_rank)
         self._lengths(trainer, micro_done)
         self._restart_workers(trainer)
         self.check_next_batch = True
+
+    def _resplit(self, trainer: "pl.Trainer", dp_size: int, dp_rank: int, step: int, micro_done: int) -> None:
+        """The training loaders read as rank ``dp_rank`` of ``dp_size`` from the epoch's step ``step``, after this
+        rank read ``micro_done`` micro-batches of the epoch; a stream from the global sample the steps taken reach."""
+        for _, sampler in self.train:
+            sampler.set_layout(dp_size, dp_rank, step=min(step, sampler.steps_per_epoch), micro_done=micro_done)
+        for stream in self.streams:
+            stream.dataset.set_data_parallel(dp_size, dp_rank, stream.global_batch_size * trainer.global_step)
 
     @staticmethod
     def _zoo_module(trainer: "pl.Trainer"):
@@ -234,34 +240,25 @@ class DataSplit:
 
     # ---- Lightning's epochs, checkpoints and steps --------------------------------------------------------
     def on_train_start(self, trainer: "pl.Trainer") -> bool:
-        """At the start of fit, after Lightning restored a checkpoint (or a joiner's payload): whether training
-        goes on inside the epoch it was saved in; if so, every loader continues at the saved step."""
+        """At the start of fit: whether Lightning restored a checkpoint (or a joiner's payload); every loader then
+        continues where the run was, inside the epoch it was saved in or at the start of the next."""
         saved, self._state = self._state, None
         if saved is None:
             return False
         if saved.get("epoch") != trainer.current_epoch:
             # Saved at an epoch's last step: Lightning goes on with the next epoch without announcing it, counting
             # its micro-batches on from the saved epoch's count; the whole next epoch comes after them.
-            self._resumed_epoch = trainer.current_epoch
             self.first_step = trainer.global_step
-            if self.owned:
-                ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-                self._keep_global_batch(trainer)
-                for _, sampler in self.train:
-                    sampler.set_epoch(trainer.current_epoch)
-                    sampler.set_layout(self.strategy.dp_size, self.strategy.dp_rank, step=0, micro_done=ready)
-                self._lengths(trainer)
-            return True
-        self.first_step, self._resumed_epoch = int(saved["first_step"]), trainer.current_epoch
+            for _, sampler in self.train:
+                sampler.set_epoch(trainer.current_epoch)
+        else:
+            self.first_step = int(saved["first_step"])
+        self._resumed_epoch = trainer.current_epoch
         if self.owned:
             self._keep_global_batch(trainer)
-            step = trainer.global_step - self.first_step
             ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            for _, sampler in self.train:
-                sampler.set_layout(self.strategy.dp_size, self.strategy.dp_rank, step=step, micro_done=ready)
-            for stream in self.streams:
-                stream.dataset.set_data_parallel(self.strategy.dp_size, self.strategy.dp_rank,
-                                                 stream.global_batch_size * trainer.global_step)
+            self._resplit(trainer, self.strategy.dp_size, self.strategy.dp_rank,
+                          trainer.global_step - self.first_step, ready)
             self._restart_workers(trainer)
             self._lengths(trainer)
         return True
@@ -354,7 +351,7 @@ def _set_epoch_length(trainer: "pl.Trainer", lengths: list[int]) -> None:
 
 
 def fingerprint(batch: Any) -> int:
-    """A 63-bit digest of every tensor in a (nested) batch: its dtype, shape and bytes."""
+    """A CRC-32 of every tensor in a (nested) batch (its dtype, shape and bytes) and of its plain values."""
     digest = 0
     stack = [batch]
     while stack:

@@ -74,8 +74,8 @@ def loop_checkpoint(trainer: pl.Trainer) -> dict:
 def _fit_loop_state(trainer: pl.Trainer) -> dict:
     """Lightning's fit loop as of the switch boundary, in the form a checkpoint saved by a callback at the end of that
     micro-batch has (its batch counted as processed, not yet completed). At an epoch's last micro-batch, Lightning
-    resumes from that form into the next epoch, as the members go on; from a completed last batch it would restart
-    the finished epoch with one more step of its loop (a collective) than the members run."""
+    resumes from that form into the next epoch, as the run itself goes on; from a completed last batch it would
+    restart the finished epoch with one more step of its loop (a collective) than the members of the run take."""
     state = trainer.fit_loop.state_dict()
     progress = state.get("epoch_loop.batch_progress")
     if progress is not None and progress.get("is_last_batch"):

@@ -189,8 +189,8 @@ class Script(pl.Callback):
         self.next = state["next"]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        switcher = trainer.strategy._switcher
-        if self.next < len(self.entries) and switcher.pending is None and switcher.at_boundary():
+        strategy = trainer.strategy
+        if self.next < len(self.entries) and not strategy.switch_pending and strategy.at_step_boundary():
             step, layout = self.entries[self.next]
             if trainer.global_step >= step:
                 self.next += 1
