@@ -28,7 +28,7 @@ from dynatrain.llama_lm import LlamaLM
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.models.specs import rule_for_param
-from dynatrain.strategies.capture import local_tensor
+from dynatrain.switch.capture import local_tensor
 from dynatrain.vps.layout import StateSpec
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -6,6 +6,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from dynatrain.data import LlamaDataModule
+from dynatrain.memory import freeze_import_time_objects
+
+# As `dynatrain fit` does: a switch's collections skip the libraries' objects (see `dynatrain.memory`).
+freeze_import_time_objects()
 
 
 def bench_trainer(strategy, devices: int, max_steps: int, callbacks: list, accelerator: str = "cpu") -> pl.Trainer:

@@ -39,9 +39,9 @@ import torch.distributed as dist  # noqa: E402
 from dynatrain.models.configs import get_model_config  # noqa: E402
 from dynatrain.models.llama import Transformer  # noqa: E402
 from dynatrain.models.parallelize import parallelize_llama  # noqa: E402
-from dynatrain.strategies.capture import merged_shardings  # noqa: E402
-from dynatrain.strategies.probe import probe_mesh  # noqa: E402
-from dynatrain.strategies.target import meta_copy  # noqa: E402
+from dynatrain.switch.capture import merged_shardings  # noqa: E402
+from dynatrain.switch.probe import probe_mesh  # noqa: E402
+from dynatrain.switch.target import meta_copy  # noqa: E402
 from dynatrain.vps.parallel_config import ParallelConfig  # noqa: E402
 
 MODELS = "debug,125m,llama3-8b,llama3-70b,llama3-405b"

@@ -1,12 +1,12 @@
 """dynatrain: online parallelism switching for elastic LLM training on PyTorch Lightning.
 
 Importing the package registers ``strategy="dynatrain"`` with Lightning (at once, or when Lightning is imported:
-see `dynatrain.registration`), in every process Lightning launches, and freezes the objects imports created, so
-the collections a switch runs stay cheap (see `dynatrain.memory`). The pure layers (`dynatrain.vps`,
-`dynatrain.planner`) import without Lightning.
+see `dynatrain.registration`), in every process Lightning launches, and changes nothing else in the interpreter:
+no environment variable, no ``gc.freeze`` (dynatrain's entry points freeze the import-time objects, a script of
+yours calls `dynatrain.memory.freeze_import_time_objects` after its imports: see `dynatrain.memory`). Settings are
+arguments (`dynatrain.settings`). The pure layers (`dynatrain.vps`, `dynatrain.planner`) import without Lightning.
 """
 
-from dynatrain.memory import freeze_import_time_objects
 from dynatrain.models.configs import MODEL_CONFIGS, ModelConfig, get_model_config
 from dynatrain.registration import register_when_lightning_loads
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -22,7 +22,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dynatrain' has no attribute {name!r}")
 
 
+# The registration itself, the one change importing dynatrain makes: `strategy="dynatrain"` in Lightning's
+# StrategyRegistry, now when Lightning is loaded, else by a one-shot import hook that does it once
+# `lightning.pytorch` finishes loading (and removes itself).
 register_when_lightning_loads()
-freeze_import_time_objects()
 
 __all__ = ["MODEL_CONFIGS", "DynaTrainStrategy", "ModelConfig", "ParallelConfig", "get_model_config"]

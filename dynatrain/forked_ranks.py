@@ -149,20 +149,30 @@ def _run_launch(spec: dict) -> int:
     return 0
 
 
+def _preload(names: list[str]) -> None:
+    """Import ``names``, then freeze what the imports made (`memory.freeze_import_time_objects`; importing dynatrain
+    no longer does): the ranks forked from here keep their switches' collections cheap, and the frozen objects'
+    pages are not copied into each rank by the collector touching them."""
+    for name in names:
+        importlib.import_module(name)
+    if names:
+        from dynatrain.memory import freeze_import_time_objects
+
+        freeze_import_time_objects()
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     if "caller" in spec:
         _die_with(spec["caller"])
-    for name in spec["preload"]:
-        importlib.import_module(name)
+    _preload(spec["preload"])
     return _run_launch(spec)
 
 
 def serve(preload: list[str]) -> int:
     """Import ``preload``, then run each launch whose spec path arrives on stdin in a child of its own."""
     caller = os.getppid()  # not killed with it: the thread that started a kept server may end long before it
-    for name in preload:
-        importlib.import_module(name)
+    _preload(preload)
     me = os.getpid()
     running: dict[int, str] = {}  # pid of a launch -> where its status goes
     signal.signal(signal.SIGCHLD, lambda *_: _reap(running, block=False))

@@ -37,12 +37,14 @@ def host_store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None, heap: str | None = None
+             ) -> dict[str, str]:
     """The environment of local rank ``rank`` of ``world`` whose store its launcher hosts on ``port`` (`host_store`):
-    this process's environment, then ``env``, then the rank's identity; threads split the cores unless ``env`` says
-    otherwise (and are split again at every world change, `threads`), and the heap keeps PyTorch's blocks
-    (`memory.heap_env`). Every rank, rank 0 included, connects to that store as a client."""
-    full = heap_env({**os.environ, **(env or {})})
+    this process's environment, then ``env``, then the rank's identity; threads split the cores unless ``env`` sets
+    ``OMP_NUM_THREADS`` (and are split again at every world change, `threads`), and the heap keeps PyTorch's blocks
+    unless ``heap`` (else ``$DYNATRAIN_HEAP``) is ``"glibc"`` (`memory.heap_env`). Every rank, rank 0 included,
+    connects to that store as a client."""
+    full = heap_env({**os.environ, **(env or {})}, heap)
     full.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                 LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
     full[AGENT_STORE_ENV] = "True"
@@ -51,13 +53,14 @@ def rank_env(rank: int, world: int, port: int, env: dict[str, str] | None = None
     return full
 
 
-def joiner_env(env: dict[str, str] | None, processes: int) -> dict[str, str]:
+def joiner_env(env: dict[str, str] | None, processes: int, heap: str | None = None) -> dict[str, str]:
     """The environment of a process that joins a running job (`dynatrain join`): this process's environment, then
-    ``env`` (the job's store endpoint and token), then the join flag; threads split the cores among ``processes``
-    unless ``env`` says otherwise, and the heap keeps PyTorch's blocks (`memory.heap_env`)."""
+    ``env`` (the job's store endpoint and token), then the join flag (the default of `ElasticConfig.join`); threads
+    split the cores among ``processes`` unless ``env`` sets ``OMP_NUM_THREADS``, and the heap as for `rank_env`."""
     from dynatrain.elastic.manager import JOIN_ENV
 
-    full = launch_env(heap_env({**os.environ, **(env or {}), JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}), processes)
+    full = launch_env(heap_env({**os.environ, **(env or {}), JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}, heap),
+                      processes)
     full.setdefault("WANDB_MODE", "offline")
     return full
 
@@ -69,7 +72,7 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "dynatrain")
 def launch_local(
     argv: list[str], nprocs: int, workdir: Path, timeout: float = 600.0, env: dict[str, str] | None = None,
     name: str = "worker", grace: float = 2.0, may_die: Collection[int] = (), preload: Collection[str] = (),
-    keep_zygote: bool = False,
+    keep_zygote: bool = False, heap: str | None = None,
 ) -> list[dict | None]:
     """Run ``python <argv> --out <file>`` on ``nprocs`` ranks; return each rank's JSON result in rank order.
 
@@ -81,7 +84,7 @@ def launch_local(
     (`dynatrain.forked_ranks`), where the platform can fork. With ``keep_zygote`` that process outlives the launch and
     forks every later one of this process with the same ``preload`` and environment (but for the store's address
     and pytest's test name, `_server`), which then pays no imports at all: for a caller that launches many jobs in
-    turn, as a test session does.
+    turn, as a test session does. ``heap``: the ranks' heap, ``"reuse"`` or ``"glibc"`` (`rank_env`).
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +92,7 @@ def launch_local(
     port = store.port
     outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
-    envs = [rank_env(rank, nprocs, port, env) for rank in range(nprocs)]
+    envs = [rank_env(rank, nprocs, port, env, heap) for rank in range(nprocs)]
     if preload and hasattr(os, "fork"):
         procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload, keep_zygote)
     else:
@@ -132,7 +135,7 @@ def launch_local(
 def launch_elastic(
     argv: list[str], nprocs: int, workdir: Path, joiners: "int | list[list[str]]" = 0, timeout: float = 600.0,
     env: dict[str, str] | None = None, name: str = "elastic", grace: float = 2.0, may_die: Collection[int] = (),
-    joiners_may_die: bool = False, preload: Collection[str] = (), keep_zygote: bool = False,
+    joiners_may_die: bool = False, preload: Collection[str] = (), keep_zygote: bool = False, heap: str | None = None,
 ) -> tuple[list[dict | None], list[dict | None]]:
     """An elastic job on this machine: the job's store, ``nprocs`` ranks, and joining processes.
 
@@ -141,7 +144,8 @@ def launch_elastic(
     rank order, the joiners' results). On a failure or timeout every process is killed and the error carries
     the tail of each one's log. Ranks in ``may_die`` (and every joiner, with ``joiners_may_die``) are expected
     to be killed by a fault injection: their result is None. ``preload`` and ``keep_zygote``: as for `launch_local`,
-    for the ranks (a joiner starts as a process of its own, as on a cluster).
+    for the ranks (a joiner starts as a process of its own, as on a cluster); ``heap``: as for `launch_local`, for
+    every process.
     """
     import secrets
 
@@ -160,13 +164,13 @@ def launch_elastic(
             out, log = workdir / f"{name}-joiner{i}.json", workdir / f"{name}-joiner{i}.log"
             outs.append(out)
             logs.append(log)
-            full = joiner_env(env, nprocs + len(extras))
+            full = joiner_env(env, nprocs + len(extras), heap)
             with open(log, "w") as f:
                 procs.append(subprocess.Popen([sys.executable, *argv, *extra, "--out", str(out)], env=full,
                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
         try:
             members = launch_local(argv, nprocs, workdir, timeout=timeout, env=env, name=name, grace=grace,
-                                   may_die=may_die, preload=preload, keep_zygote=keep_zygote)
+                                   may_die=may_die, preload=preload, keep_zygote=keep_zygote, heap=heap)
         except LaunchError as e:
             raise LaunchError(str(e) + log_tails(logs, "joiner")) from None
         # The joiners finish with the members' last collective; a grace covers their exit.

@@ -16,10 +16,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchmetrics.text import Perplexity
 
 from dynatrain import moe_lm
-from dynatrain.models.configs import ModelConfig
-from dynatrain.models.llama import Transformer
-from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.parallelize import dense_meshes, materialize_model, parallelize_model
+from dynatrain.models.parallelize import materialize_model
+from dynatrain.models.registry import ModelSpec, ZooConfig, spec_for
 from dynatrain.vps.parallel_config import ParallelConfig
 
 
@@ -67,7 +65,7 @@ class CausalLM(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model_config: ModelConfig | MoEConfig = moe_lm.zoo_config(model, model_overrides)
+        self.model_config: ZooConfig = moe_lm.zoo_config(model, model_overrides)
         self.model: torch.nn.Module | None = None
         self.val_perplexity = Perplexity()
         self.step_losses: list[float] = []
@@ -99,15 +97,10 @@ class CausalLM(pl.LightningModule):
         if hasattr(datamodule, "check_model_vocab"):
             datamodule.check_model_vocab(self.model_config.vocab_size)
         strategy = self.trainer.strategy
+        spec = self.model_spec
         with torch.device("meta"):
-            model = moe_lm.build_moe(self.model_config) if self.is_moe else Transformer(self.model_config)
-        if self.is_moe:
-            moe_lm.parallelize_for(model, self.device_mesh, _layout(self.device_mesh, strategy), strategy)
-        elif hasattr(strategy, "parallelize"):
-            strategy.parallelize(model)
-        else:
-            pcfg = _layout(self.device_mesh, strategy).validate(self.model_config)
-            parallelize_model(model, *dense_meshes(self.device_mesh, pcfg))
+            model = spec.build(self.model_config)
+        spec.parallelize_fn(model, self.device_mesh, _layout(self.device_mesh, strategy), strategy)
         if hasattr(strategy, "materialize"):
             strategy.materialize(model)  # a process joining a running job adopts the shards it received
         else:
@@ -115,8 +108,14 @@ class CausalLM(pl.LightningModule):
         self.model = model
 
     @property
-    def is_moe(self) -> bool:
-        return moe_lm.is_moe(self.model_config)
+    def model_spec(self) -> ModelSpec:
+        """The kind of the model (`models.registry`): how it is built and parallelised."""
+        return spec_for(self.model_config)
+
+    @property
+    def routed_experts(self) -> bool:
+        """Whether the model routes tokens to experts: it has an auxiliary loss and router load to balance."""
+        return self.model_spec.routed_experts
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
@@ -144,7 +143,7 @@ class CausalLM(pl.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss, _, labels = self._loss(batch)
         self._record(loss, labels)
-        aux = self.model.aux_loss() if self.is_moe else None
+        aux = self.model.aux_loss() if self.routed_experts else None
         if aux is None:
             return loss
         self._micro_aux.append(aux.detach())
@@ -175,7 +174,7 @@ class CausalLM(pl.LightningModule):
         has = torch.ones_like(held) if self._micro_losses else torch.zeros_like(held)
         aux = torch.stack(self._micro_aux).mean() if self._micro_aux else torch.zeros_like(held)
         tokens = torch.tensor(float(self._step_tokens), device=held.device)
-        counts = moe_lm.local_counts(self.model) if self.is_moe else held.new_zeros(0, 0)
+        counts = moe_lm.local_counts(self.model) if self.routed_experts else held.new_zeros(0, 0)
         # One collective for the step's figures: losses, tokens and every router's counts.
         flat = torch.cat([torch.stack([held, aux, tokens, has]).float(), counts.flatten().to(held.device)])
         if dist.is_available() and dist.is_initialized():
@@ -196,7 +195,7 @@ class CausalLM(pl.LightningModule):
             self.log("train/tokens_per_s", tokens / elapsed, prog_bar=True, rank_zero_only=True)
         if self._micro_aux:
             self.log("train/aux_loss", aux, rank_zero_only=True)
-        if self.is_moe:
+        if self.routed_experts:
             self._expert_load_step(flat[4:].view_as(counts))
         self._clear_step()
 
@@ -226,7 +225,7 @@ class CausalLM(pl.LightningModule):
         """dynatrain's hook: a fault discarded the optimizer step in progress, which runs again from its first
         micro-batch; its partial losses and routed tokens must not count."""
         self._clear_step()
-        if self.is_moe and self.model is not None:
+        if self.routed_experts and self.model is not None:
             moe_lm.reset_counts(self.model)
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -243,7 +242,7 @@ class CausalLM(pl.LightningModule):
         else:
             self.log("val/perplexity", self.val_perplexity.compute(), sync_dist=False)
         self.val_perplexity.reset()
-        if self.is_moe:
+        if self.routed_experts:
             # Validation runs between optimizer steps, where the counts start at zero: the tokens it routed are not
             # training load and must not move the bias.
             moe_lm.reset_counts(self.model)

@@ -4,12 +4,17 @@ A switch must collect the old model's reference cycles (FSDP state and modules p
 engine allocates new shards, so it runs full collections. A full collection scans every tracked object, and the
 imports of torch, Lightning and W&B leave about 420,000 of them: 0.2 s per collection on a 2-core machine, three
 or four times per world change. Those objects live as long as the process, so they are moved out of the
-collector's sight once (``gc.freeze``); collections then scan only what training created.
+collector's sight once (``gc.freeze``, `freeze_import_time_objects`); collections then scan only what training
+created. Importing dynatrain does not do it (importing changes nothing beyond registering the strategy): its entry
+points do, after their imports and before any model exists (`dynatrain fit|validate|test|join`, `dynatrain plan`,
+and the zygote that forks the ranks of `launcher.launch_local(preload=...)`); a training script of your own calls it
+after its imports.
 
 A training process on CPU also pays for how glibc's malloc serves PyTorch's large blocks (`heap_env`): without the
 settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a gigabyte) and spends 38 % of its CPU
 time in the kernel (`bench/heap.py`). So a process dynatrain starts (its launchers, ``dynatrain fit`` and
-``dynatrain join``) gets them in its environment, unless ``DYNATRAIN_HEAP=glibc`` keeps glibc's own; glibc reads
+``dynatrain join``) gets them in its environment, unless ``heap="glibc"`` (the launchers' argument, ``--heap glibc``
+on the command line, or ``DYNATRAIN_HEAP=glibc`` carried in the environment) keeps glibc's own; glibc reads
 them only at start-up. They became the default once a joiner prepared its shards before admission (a fresh
 process maps the pages of its heap more slowly than freshly mapped blocks, which lengthened the scale-out's stall
 before) and the suite passed with them on.
@@ -23,7 +28,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-FREEZE_ENV = "DYNATRAIN_GC_FREEZE"  # "0" keeps every object visible to the collector
+# Each variable here is the default of an argument, which wins when given (dynatrain.settings lists them; this
+# module sits below it and applies the same precedence itself).
+FREEZE_ENV = "DYNATRAIN_GC_FREEZE"  # "0": freeze_import_time_objects keeps every object visible to the collector
 
 try:
     _malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc
@@ -64,17 +71,22 @@ HEAP_TUNABLES = (
 )
 
 
-def heap_env(env: Mapping[str, str]) -> dict[str, str]:
+def heap_env(env: Mapping[str, str], heap: str | None = None) -> dict[str, str]:
     """``env`` for a training process about to start: `HEAP_TUNABLES` added to ``GLIBC_TUNABLES`` (a
-    ``glibc.malloc`` setting ``env`` already has is kept), unless ``DYNATRAIN_HEAP=glibc``, which leaves ``env`` as it
-    is. Other C libraries than glibc ignore the variable."""
+    ``glibc.malloc`` setting ``env`` already has is kept), unless the choice is ``"glibc"``, which leaves the
+    tunables as they are. The choice: ``heap`` when given (it wins, and is written to the result's
+    ``DYNATRAIN_HEAP`` so the processes this one starts keep it), else ``env``'s ``DYNATRAIN_HEAP``, else
+    ``"reuse"``. Other C libraries than glibc ignore the variable."""
     out = dict(env)
-    choice = out.get(HEAP_ENV, "reuse")
+    choice = heap if heap is not None else out.get(HEAP_ENV) or "reuse"
     if choice not in HEAP_CHOICES:
         hint = (" ('default' named glibc's own settings while they were the default: now say 'glibc')"
                 if choice == "default" else "")
-        raise ValueError(f"{HEAP_ENV}={choice!r}: use 'reuse' (the default: serve PyTorch's blocks from a heap that "
+        named = "heap" if heap is not None else HEAP_ENV
+        raise ValueError(f"{named}={choice!r}: use 'reuse' (the default: serve PyTorch's blocks from a heap that "
                          f"keeps them) or 'glibc' (glibc's own settings){hint}")
+    if heap is not None:
+        out[HEAP_ENV] = heap  # what the processes this one starts inherit
     if choice == "glibc" or not sys.platform.startswith("linux"):
         return out
     current = [t for t in out.get(TUNABLES_ENV, "").split(":") if t]
@@ -115,14 +127,29 @@ def trim_heap() -> None:
         _malloc_trim(0)
 
 
-def freeze_import_time_objects() -> int:
+# Measured: after importing torch, torch.distributed, lightning.pytorch (with its CLI), dynatrain's strategy, CausalLM
+# and the datamodule, about 444,000 objects are tracked and one full gc.collect() took 0.14 to 0.20 s (median
+# 0.15 to 0.16 s over 3 processes of 7 collections each, Python 3.11, 2 cores, load 1.3); after gc.freeze() the
+# same collection took 0.2 microseconds (nothing else alive yet).
+# A world change runs three or four full collections, so without the freeze it stalls every process 0.45 to 0.6 s
+# more; docs/benchmarks.md records the online stalls that fell when the freeze came in.
+_frozen = False  # this process froze once: objects made since (a model, a Trainer) may become garbage
+
+
+def freeze_import_time_objects(enabled: bool | None = None) -> int:
     """Exclude the objects that exist now (modules, classes, functions of the libraries imported so far) from
-    later collections; returns how many are frozen. Objects frozen are never collected, so this runs at import,
-    before any model or Trainer exists."""
-    if os.environ.get(FREEZE_ENV, "1") == "0":
+    later collections; returns how many are frozen (0 when off). Objects frozen are never collected when they
+    become cyclic garbage, so call it after the imports and before any model or Trainer exists; only the first call
+    of a process freezes. ``enabled``: an explicit argument wins; None takes ``$DYNATRAIN_GC_FREEZE`` ("0": off;
+    ``--no-gc-freeze`` on the command line sets it for every process of the job), on by default."""
+    global _frozen
+    if not (enabled if enabled is not None else os.environ.get(FREEZE_ENV) != "0"):
         return 0
+    if _frozen:
+        return gc.get_freeze_count()
     gc.collect()  # what is garbage already is freed, not frozen
     gc.freeze()
+    _frozen = True
     return gc.get_freeze_count()
 
 

@@ -1,8 +1,9 @@
 """The mixture-of-experts side of the zoo's LightningModule (`dynatrain.llama_lm.CausalLM`).
 
-An MoE model is parallelised by the zoo's `parallelize_moe` for the strategy's layout (ep included), and its
-routers' load is read from each layer's ``tokens_per_expert``: summed over the data-parallel ranks once per
-optimizer step, it moves the expert bias and gives the expert-load metrics (tokens per expert and max/mean).
+An MoE model is built and parallelised through its kind's spec (`models.registry`: `models.builders.build_moe` and
+`parallelize_moe_for`, ep included), and its routers' load is read from each layer's ``tokens_per_expert``: summed
+over the data-parallel ranks once per optimizer step, it moves the expert bias and gives the expert-load metrics
+(tokens per expert and max/mean).
 """
 
 from __future__ import annotations
@@ -10,55 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynatrain.models.checkpointing import ActivationCheckpointing
-from dynatrain.models.configs import ModelConfig
-from dynatrain.models.parallelize import apply_block_options
-from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.specs import get_zoo_config
-from dynatrain.vps.parallel_config import ParallelConfig
+from dynatrain.models.builders import parallelize_moe_for as parallelize_for  # noqa: F401  (the name callers use)
+from dynatrain.models.registry import ZooConfig, get_zoo_config
 
 
-def zoo_config(name: str, overrides: dict | None = None) -> ModelConfig | MoEConfig:
-    """A named dense (Llama) or mixture-of-experts config, with fields replaced by ``overrides``."""
+def zoo_config(name: str, overrides: dict | None = None) -> ZooConfig:
+    """A named config of any kind (dense Llama, mixture of experts), with fields replaced by ``overrides``."""
     return get_zoo_config(name).with_overrides(**(overrides or {}))
-
-
-def is_moe(config) -> bool:
-    return isinstance(config, MoEConfig)
-
-
-def build_moe(config: MoEConfig) -> nn.Module:
-    from dynatrain.models.moe import MoETransformer
-
-    return MoETransformer(config)
-
-
-def parallelize_for(model: nn.Module, mesh, pcfg: ParallelConfig, strategy) -> None:
-    """Data, tensor and expert parallelism for ``pcfg`` (the strategy's layout, the target's while a switch builds
-    it; under Lightning's ModelParallelStrategy data and tensor parallelism on its mesh)."""
-    from dynatrain.models.moe import parallelize_moe
-
-    if getattr(strategy, "sequence_parallel", False):
-        raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
-                         "sequence_parallel to false")
-    if pcfg.pp > 1:
-        raise ValueError(f"pipeline parallelism is not supported for mixture-of-experts models yet (their router "
-                         f"losses and token counts span every stage): use pp=1, not {pcfg.short()}")
-    policy = ActivationCheckpointing.parse(getattr(strategy, "activation_checkpointing", None))
-    if policy.per_op and pcfg.ep > 1:
-        raise ValueError(f"activation_checkpointing='selective:op' does not work with ep > 1 ({pcfg.short()}): the "
-                         "routed experts' own FSDP runs other ops when the block is recomputed than in its forward; "
-                         "use 'full' or 'selective:N' with expert parallelism")
-    parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None))
-    # After FSDP here, which is the same as before it: neither wraps a module, both replace the block's forward.
-    backend = getattr(strategy, "compile_backend", None)
-    apply_block_options(model, policy, backend)
-    if backend is not None:
-        for layer in model.layers.values():
-            # The routed experts run eagerly between the compiled parts: torch traces `_grouped_mm` for bf16 inputs
-            # only, and their token counts are data-dependent.
-            experts = layer.moe.experts
-            experts.forward = torch.compiler.disable(experts.forward)
 
 
 # ---- the routers' load ------------------------------------------------------------------------------------

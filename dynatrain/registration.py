@@ -18,9 +18,6 @@ _TARGET = "lightning.pytorch"
 
 def register() -> None:
     import dynatrain.strategies.dynatrain  # noqa: F401  (the strategy's module registers it when it loads)
-    from dynatrain.memory import freeze_import_time_objects
-
-    freeze_import_time_objects()  # Lightning's and torch's import-time objects too
 
 
 def _loaded(name: str) -> bool:
@@ -30,7 +27,11 @@ def _loaded(name: str) -> bool:
 
 
 class _AfterLightning(importlib.abc.MetaPathFinder):
-    """Wraps the loader of ``lightning.pytorch`` so `register` runs once that package is fully loaded."""
+    """Wraps the loader of ``lightning.pytorch`` so `register` runs once that package is fully loaded.
+
+    This hook is the registration itself, kept on purpose: it only makes ``strategy="dynatrain"`` known when
+    Lightning loads after dynatrain. It answers for no other module, removes itself from ``sys.meta_path`` the first
+    time ``lightning.pytorch`` is looked up, and changes nothing else (no ``gc.freeze``, no environment)."""
 
     def find_spec(self, name, path, target=None):
         if name != _TARGET:

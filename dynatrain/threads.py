@@ -7,7 +7,8 @@ threads"), and a process with fewer threads than its share is the straggler ever
 that is right for the world a process started in is wrong after a scale-out (more processes on the host) or a
 scale-in (fewer). So when dynatrain chooses the count (the user set no ``OMP_NUM_THREADS``), it marks the process
 (`THREADS_ENV`) and, after each world change, sets cores // (this world's processes on the host). A count the user
-chose is left alone.
+chose is left alone. The mark is only how a launcher tells the process it starts; ``ElasticConfig.split_threads``
+(True or False) overrides it (`splits_threads`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import os
 import socket
 from collections.abc import Mapping
 
-THREADS_ENV = "DYNATRAIN_THREADS"  # "split": dynatrain chose this process's count and keeps it split
+# "split": dynatrain chose this process's count and keeps it split; the default of ElasticConfig.split_threads
+# (dynatrain.settings; this module sits below it and applies the same precedence itself, `splits_threads`).
+THREADS_ENV = "DYNATRAIN_THREADS"
 SPLIT = "split"
 
 
@@ -58,10 +61,17 @@ def host_name() -> str:
     return socket.gethostname()
 
 
-def resplit(processes_on_host: int) -> int | None:
+def splits_threads(split: bool | None = None) -> bool:
+    """Whether dynatrain sets this process's thread count after a world change: ``split`` when given (an explicit
+    argument wins), else whether a launcher of dynatrain's chose the count (``$DYNATRAIN_THREADS=split``)."""
+    return split if split is not None else os.environ.get(THREADS_ENV) == SPLIT
+
+
+def resplit(processes_on_host: int, split: bool | None = None) -> int | None:
     """After a world change: this process's share of the cores among ``processes_on_host`` (itself included), when
-    dynatrain chose its count; returns the count set, or None when the count is the user's."""
-    if os.environ.get(THREADS_ENV) != SPLIT:
+    dynatrain sets its count (`splits_threads`: ``split``, else the launcher's mark); returns the count set, or None
+    when the count is the user's."""
+    if not splits_threads(split):
         return None
     import torch
 

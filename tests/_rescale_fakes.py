@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dynatrain.models.configs import get_model_config
-from dynatrain.strategies.report import SwitchReport
+from dynatrain.switch.report import SwitchReport
 from dynatrain.vps.parallel_config import ParallelConfig
 
 DEBUG = get_model_config("debug").with_overrides(n_layers=2)

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dynatrain.strategies.adopt import fill_target
+from dynatrain.switch.adopt import fill_target
 
 
 class Net(nn.Module):

@@ -50,6 +50,16 @@ def test_verbose_keeps_everything(clean, monkeypatch):
     assert _shown(pl, "GPU available: False, used: False")
 
 
+def test_the_argument_wins_over_the_environment(clean, monkeypatch):
+    pl, _ = clean
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "1")
+    quiet.quiet_libraries(verbose=False)
+    assert not _shown(pl, "GPU available: False, used: False")
+    assert quiet.without_library_lines("GPU available: False, used: False\nok", verbose=False) == "ok"
+    monkeypatch.setenv(quiet.VERBOSE_ENV, "0")
+    assert quiet.without_library_lines("GPU available: False\nok", verbose=True) == "GPU available: False\nok"
+
+
 def test_a_failed_selfchecks_logs_lose_the_start_up_lines_and_keep_the_error(clean, monkeypatch):
     logs = ("--- rank 0 ---\nGPU available: False, used: False\nTPU available: False, using: 0 TPU cores\n"
             "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]\n"

@@ -101,6 +101,23 @@ def test_mismatched_model_config_is_refused_at_registration(job_store):
     assert "intruder" not in registered(store)
 
 
+def test_a_managers_store_and_join_come_from_its_config_before_what_a_launcher_carried(job_store, monkeypatch):
+    from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV, ElasticConfig, ElasticManager
+
+    monkeypatch.setenv(ENDPOINT_ENV, "127.0.0.1:1")  # nothing listens there: used, it would fail
+    monkeypatch.setenv(TOKEN_ENV, "not-" + TOKEN)
+    monkeypatch.setenv(JOIN_ENV, "1")
+    mine = ElasticManager(ElasticConfig(endpoint=job_store.endpoint, token=TOKEN, join=False, timeout=10))
+    assert (mine.endpoint, mine.token, mine.joining) == (job_store.endpoint, TOKEN, False)
+    assert ElasticManager(ElasticConfig(endpoint=job_store.endpoint, token=TOKEN, timeout=10)).joining  # carried
+    monkeypatch.setenv(ENDPOINT_ENV, job_store.endpoint)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.delenv(JOIN_ENV)
+    carried = ElasticManager(ElasticConfig(join=True, timeout=10))
+    assert (carried.endpoint, carried.joining, carried.config.join) == (job_store.endpoint, True, True)
+    assert not ElasticManager(ElasticConfig(timeout=10)).joining
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_members_leave_then_new_processes_join(job_store, tmp_path):

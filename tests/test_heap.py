@@ -50,6 +50,12 @@ def test_the_launchers_start_ranks_and_joiners_with_them(monkeypatch):
         assert env[TUNABLES_ENV].split(":") == OURS
     monkeypatch.setenv(HEAP_ENV, "glibc")
     assert TUNABLES_ENV not in rank_env(1, 2, 29500) and TUNABLES_ENV not in joiner_env({}, 3)
+    # The launchers' argument wins over the environment, and the ranks carry it on to what they start.
+    for env in (rank_env(1, 2, 29500, heap="reuse"), joiner_env({}, 3, heap="reuse")):
+        assert env[TUNABLES_ENV].split(":") == OURS and env[HEAP_ENV] == "reuse"
+    monkeypatch.setenv(HEAP_ENV, "reuse")
+    env = rank_env(1, 2, 29500, heap="glibc")
+    assert TUNABLES_ENV not in env and env[HEAP_ENV] == "glibc"
 
 
 def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
@@ -84,6 +90,13 @@ def test_a_training_command_restarts_itself_once_with_them(monkeypatch):
     monkeypatch.setenv(HEAP_ENV, "none")
     monkeypatch.setattr(sys, "argv", ["dynatrain", "join"])
     assert cli.main() == 2 and calls == []
+    # --heap wins over the environment, before the restart, and leaves the command line the process restarts with.
+    monkeypatch.setattr(sys, "argv", ["dynatrain", "fit", "--heap", "glibc", "--config", "x.yaml"])
+    assert cli.main() == 0 and calls == [] and cli.os.environ[HEAP_ENV] == "glibc"
+    monkeypatch.setattr(sys, "argv", ["dynatrain", "fit", "--heap=reuse", "--config", "x.yaml"])
+    assert cli.main() == 0
+    [(argv, env)] = calls
+    assert argv == [sys.executable, "-m", "dynatrain.cli", "fit", "--config", "x.yaml"] and env[HEAP_ENV] == "reuse"
 
 
 PROBE = textwrap.dedent("""
@@ -173,7 +186,7 @@ def test_the_heap_is_trimmed_only_past_the_largest_footprint(monkeypatch):
 
 WARM_PROBE = textwrap.dedent("""
     import json, resource, sys, torch
-    from dynatrain.strategies.prepare import free_working_bytes, warm_allocator
+    from dynatrain.switch.prepare import free_working_bytes, warm_allocator
     mib = 64
     warmed = warm_allocator(mib * 2**20, "cpu") if sys.argv[1] == "warm" else 0
     free = free_working_bytes("cpu")

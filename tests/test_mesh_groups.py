@@ -65,9 +65,9 @@ def test_the_strategy_connects_a_mesh_once_when_it_builds_it(monkeypatch):
     monkeypatch.setattr(strategy_mod, "connect_mesh_groups", lambda mesh, pcfg, device: connected.append(mesh))
     fake = types.SimpleNamespace(_meshes={}, root_device=torch.device("cpu"))
     pcfg = ParallelConfig.parse("dp_shard=2,tp=2")
-    first = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg)
-    again = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg)  # a switch back to a layout it has seen
-    other = strategy_mod.DynaTrainStrategy._build_mesh(fake, pcfg, ranks=[0, 2, 1, 3])
+    first = strategy_mod.DynaTrainStrategy.build_mesh(fake, pcfg)
+    again = strategy_mod.DynaTrainStrategy.build_mesh(fake, pcfg)  # a switch back to a layout it has seen
+    other = strategy_mod.DynaTrainStrategy.build_mesh(fake, pcfg, ranks=[0, 2, 1, 3])
     assert first is again and other is not first
     assert connected == [first, other]
 

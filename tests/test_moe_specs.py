@@ -36,8 +36,8 @@ LAYOUTS = [
 
 def _captured_layout(cfg, pcfg: ParallelConfig) -> Layout:
     from dynatrain.models.moe import MoETransformer, parallelize_moe
-    from dynatrain.strategies.capture import BUFFER, capture
-    from dynatrain.strategies.probe import probe_mesh
+    from dynatrain.switch.capture import BUFFER, capture
+    from dynatrain.switch.probe import probe_mesh
 
     with probe_mesh(pcfg) as mesh:
         with torch.device("meta"):

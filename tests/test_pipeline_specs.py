@@ -29,9 +29,9 @@ LAYOUTS = [
 def _captured_layout(cfg, pcfg: ParallelConfig, stages_per_rank: int) -> Layout:
     from dynatrain.models.llama import Transformer
     from dynatrain.models.parallelize import parallelize_llama
-    from dynatrain.strategies.capture import BUFFER, capture
+    from dynatrain.switch.capture import BUFFER, capture
 
-    from dynatrain.strategies.probe import probe_mesh
+    from dynatrain.switch.probe import probe_mesh
 
     specs, shardings = {}, {}
     for stage in range(pcfg.pp):

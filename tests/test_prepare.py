@@ -7,7 +7,7 @@ import pytest
 
 from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.configs import get_model_config
-from dynatrain.strategies.prepare import (
+from dynatrain.switch.prepare import (
     INTENT_KEY,
     WARM_KEY,
     Background,
@@ -204,7 +204,7 @@ def test_a_failed_background_plan_is_not_published_and_raises_where_the_switch_u
 
 
 def test_the_joiners_warm_their_allocator_with_the_members_working_memory(specs, monkeypatch):
-    import dynatrain.strategies.prepare as prepare
+    import dynatrain.switch.prepare as prepare
 
     warmed = []
     monkeypatch.setattr(prepare, "warm_allocator", lambda n, device: warmed.append((n, device)) or n)

@@ -3,7 +3,7 @@ cost less wire time than building the target again for it, the default arrangeme
 
 from dynatrain.models.configs import get_model_config
 from dynatrain.models.specs import model_states
-from dynatrain.strategies.same_world import InWorldInputs, plan_in_world
+from dynatrain.switch.in_world import InWorldInputs, plan_in_world
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.rules import rule_sharding
 

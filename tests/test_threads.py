@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dynatrain.threads as threads
-from dynatrain.elastic.manager import ElasticManager
+from dynatrain.elastic.manager import ElasticConfig, ElasticManager
 from dynatrain.elastic.world import register
 from dynatrain.launcher import joiner_env, rank_env
 from dynatrain.threads import SPLIT, THREADS_ENV, launch_env, mark_if_unset, resplit, share
@@ -68,9 +68,9 @@ def test_a_world_change_splits_the_count_dynatrain_chose_and_leaves_the_users(co
     assert resplit(6) == 2 and torch.get_num_threads() == 2  # a scale-out: more processes, a smaller share
 
 
-def _manager(store, member: str, members: list[str]):
+def _manager(store, member: str, members: list[str], split_threads: bool | None = None):
     return SimpleNamespace(store=store, member_id=member, world=SimpleNamespace(members=members), thread_splits=[],
-                           backend="gloo")
+                           backend="gloo", config=ElasticConfig(split_threads=split_threads))
 
 
 def test_the_processes_on_this_host_are_the_worlds_members_registered_from_it(cores, monkeypatch, restore_threads):
@@ -93,3 +93,18 @@ def test_the_processes_on_this_host_are_the_worlds_members_registered_from_it(co
     me.world = None  # a member that left
     monkeypatch.setenv(THREADS_ENV, SPLIT)
     assert ElasticManager.split_threads(me) is None
+
+
+def test_the_elastic_config_says_whether_to_split_before_the_launchers_mark(cores, monkeypatch, restore_threads):
+    store = dist.HashStore()
+    for member in ("a", "b"):
+        register(store, member, {"model_config_hash": "h", "code_version": "v", "host": "n1"})
+    monkeypatch.setenv(THREADS_ENV, SPLIT)
+    me = _manager(store, "a", ["a", "b"], split_threads=False)  # marked by a launcher, told not to
+    me.processes_on_this_host = lambda: ElasticManager.processes_on_this_host(me)
+    assert ElasticManager.split_threads(me) is None and me.thread_splits == []
+    monkeypatch.delenv(THREADS_ENV)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    me.config = ElasticConfig(split_threads=True)  # the user's count, but told to split
+    assert ElasticManager.split_threads(me) == 6 and torch.get_num_threads() == 6
+    assert resplit(3) is None and resplit(3, split=True) == 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _launch import launch, selfcheck_module
 
-from dynatrain.strategies.capture import BUFFER, capture, check_switchable
+from dynatrain.switch.capture import BUFFER, capture, check_switchable
 
 SEQUENCE = ["dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "tp=4", "dp_shard=4"]
 

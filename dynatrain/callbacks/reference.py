@@ -129,7 +129,6 @@ def replay(pl_module: pl.LightningModule, datamodule, steps: int, clip_norm: flo
     """The loss of each of the first ``steps`` optimizer steps of ``pl_module``'s run, trained again from its
     initial weights on this process alone, on the data module's global batches."""
     from dynatrain import moe_lm
-    from dynatrain.models.llama import Transformer
     from dynatrain.models.parallelize import materialize_model
 
     # Only the constructor's own arguments: LightningCLI adds entries of its own (``_instantiator``).
@@ -138,7 +137,7 @@ def replay(pl_module: pl.LightningModule, datamodule, steps: int, clip_norm: flo
     if pl_module._trainer is not None:
         copy.trainer = pl_module.trainer  # its configure_optimizers reads the run's max_steps, as the run's did
     with torch.device("meta"):
-        model = moe_lm.build_moe(copy.model_config) if copy.is_moe else Transformer(copy.model_config)
+        model = copy.model_spec.build(copy.model_config)
     materialize_model(model, device)
     copy.model = model
     setup = copy.configure_optimizers()
@@ -154,7 +153,7 @@ def replay(pl_module: pl.LightningModule, datamodule, steps: int, clip_norm: flo
             # The module's own training step: the same loss (and MoE auxiliary loss) as the run's.
             (copy.training_step(batch, 0) / len(chunks)).backward()
         losses.append(torch.stack(copy._micro_losses).mean().item())
-        if copy.is_moe:
+        if copy.routed_experts:
             moe_lm.apply_load(model, moe_lm.local_counts(model))
         copy._clear_step()
         if clip_norm is not None:

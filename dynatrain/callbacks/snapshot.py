@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dynatrain.strategies.join_payload import loop_checkpoint
+from dynatrain.strategies.loop_state import loop_checkpoint
 
 log = logging.getLogger("dynatrain.snapshot")
 

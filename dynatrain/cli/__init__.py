@@ -13,15 +13,19 @@ import sys
 LIGHTNING_COMMANDS = ("fit", "validate", "test")
 OWN_COMMANDS = ("join", "plan", "scale", "selfcheck")  # each a module of dynatrain.cli with add_parser(subparsers)
 TRAINING_COMMANDS = (*LIGHTNING_COMMANDS, "join")
+PROCESS_COMMANDS = (*TRAINING_COMMANDS, "selfcheck")  # they take the flags of `process_flags`
 
 
 def _own_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of dynatrain's own subcommands. Given a known ``command``, only that subcommand's module is
     imported: `join` and `selfcheck` pull in torch (seconds), which `dynatrain plan` must not pay for."""
+    from dynatrain.cli.process_flags import HELP
+
     parser = argparse.ArgumentParser(
         prog="dynatrain",
         description="Elastic LLM training on PyTorch Lightning. "
         f"Training: dynatrain {{{','.join(LIGHTNING_COMMANDS)}}} --config RECIPE.yaml (see `dynatrain fit --help`).",
+        epilog=HELP,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in (command,) if command in OWN_COMMANDS else OWN_COMMANDS:
@@ -42,19 +46,21 @@ def _restart_with_heap_settings(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; run as the program (``argv`` None), a training command first restarts itself with the
-    heap settings if it lacks them."""
-    if argv is None and sys.argv[1:2] and sys.argv[1] in TRAINING_COMMANDS:
-        try:
-            _restart_with_heap_settings(sys.argv[1:])
-        except ValueError as e:
-            print(f"dynatrain {sys.argv[1]}: error: {e}", file=sys.stderr)
-            return 2
+    """The command line. A command that starts processes first takes its process flags (`process_flags`: --verbose,
+    --heap, --no-gc-freeze) into the environment those processes inherit; run as the program (``argv`` None), a
+    training command then restarts itself with the heap settings if it lacks them."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in LIGHTNING_COMMANDS:
-        from dynatrain.cli.quiet import take_verbose_flag
+    if argv and argv[0] in PROCESS_COMMANDS:
+        from dynatrain.cli.process_flags import take_process_flags
 
-        argv = take_verbose_flag(argv)
+        try:
+            argv = take_process_flags(argv)
+            if as_program and argv[0] in TRAINING_COMMANDS:
+                _restart_with_heap_settings(argv)
+        except ValueError as e:
+            print(f"dynatrain {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     if argv and argv[0] in LIGHTNING_COMMANDS and any(a.startswith("--elastic.") for a in argv):
         from dynatrain.cli.job_launcher import ElasticLauncher, split_elastic_args
 

@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from dynatrain.cli.process_flags import add_process_flags
 from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
 from dynatrain.threads import mark_if_unset
 
@@ -20,9 +21,11 @@ from dynatrain.threads import mark_if_unset
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="add this process to a running elastic job",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV), help="HOST:PORT of the job's store")
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help="the job's token")
+    p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV),
+                   help=f"HOST:PORT of the job's store (default: ${ENDPOINT_ENV})")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the job's token (default: ${TOKEN_ENV})")
     p.add_argument("--token-file", help="a file holding the job's token (the launcher writes one)")
+    add_process_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="after --: the members' command line (e.g. -- fit --config recipe.yaml); optional for a "
                         "job that `dynatrain fit --elastic.*` started, which stores its own")
@@ -51,6 +54,8 @@ def run(args) -> int:
                              "`dynatrain fit --elastic.*` does): give the members' command after --, e.g. "
                              "dynatrain join --endpoint HOST:PORT --token-file FILE -- fit --config recipe.yaml")
         argv = json.loads(store.get(JOB_ARGV_KEY).decode())
+    # This process launches the job's command line in itself: the environment carries the store and the join to the
+    # strategy the recipe builds, as the defaults of ElasticConfig.endpoint/token/join (a recipe leaves them unset).
     os.environ.update({ENDPOINT_ENV: args.endpoint, TOKEN_ENV: token, JOIN_ENV: "1"})
     mark_if_unset()  # without OMP_NUM_THREADS, its threads become its share of the host's cores once admitted
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

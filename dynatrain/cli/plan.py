@@ -15,8 +15,8 @@ import sys
 import time
 
 from dynatrain.memory import freeze_import_time_objects
-from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.specs import get_zoo_config, layout_for_model, zoo_names
+from dynatrain.models.registry import get_zoo_config, spec_for, zoo_names
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps.layout import STATE_KINDS
@@ -102,10 +102,10 @@ def compute(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     v = args.stages_per_rank
     old = layout_for_model(model, args.old, args.state, stages_per_rank=v)
-    # Expert placements follow no dense rule, and a pipeline stage holds whole layers by the model's stage split:
-    # those targets' boxes come from their own analytic placements.
-    target = (layout_for_model(model, args.new, args.state, stages_per_rank=v)
-              if isinstance(model, MoEConfig) or args.new.pp > 1 else args.new)
+    # Placements outside the rules (routed experts), and a pipeline stage holding whole layers by the model's stage
+    # split: those targets' boxes come from their own analytic placements.
+    target = (args.new if spec_for(model).placed_by_rules and args.new.pp == 1
+              else layout_for_model(model, args.new, args.state, stages_per_rank=v))
     plan = plan_switch(old, target, leave=args.leave, lost=args.lost, rank_map=args.rank_map,
                        budget_bytes=budget, gpus_per_node=args.gpus_per_node)
     sent, recv = plan.rank_bytes()

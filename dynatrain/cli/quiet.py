@@ -1,8 +1,9 @@
 """What `dynatrain fit` leaves out of its output: lines of the libraries it drives that say nothing about the job.
 
 Each is matched by its exact text, and only in dynatrain's own entry points (the processes `dynatrain fit`, its
-elastic members and `dynatrain join` start); a library user's own program sees everything. ``--verbose`` (or
-``DYNATRAIN_VERBOSE=1``, which the launched processes inherit) keeps them all.
+elastic members and `dynatrain join` start); a library user's own program sees everything. ``--verbose`` keeps them
+all: it sets ``DYNATRAIN_VERBOSE=1``, which carries it to every process the command starts; ``verbose=`` of the
+functions below wins over that.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import logging
 import os
 import re
 import warnings
+
+from dynatrain.settings import explicit_or_env
 
 VERBOSE_ENV = "DYNATRAIN_VERBOSE"
 
@@ -45,9 +48,15 @@ def take_verbose_flag(argv: list[str]) -> list[str]:
     return [a for a in argv if a != "--verbose"]
 
 
-def quiet_libraries() -> None:
-    """Leave the library lines above out of this process's output (nothing when verbose)."""
-    if os.environ.get(VERBOSE_ENV) == "1":
+def is_verbose(verbose: bool | None = None) -> bool:
+    """``verbose`` when given, else what ``--verbose`` of the command that started this process said
+    (``$DYNATRAIN_VERBOSE=1``)."""
+    return bool(explicit_or_env(verbose, VERBOSE_ENV, lambda v: v == "1"))
+
+
+def quiet_libraries(verbose: bool | None = None) -> None:
+    """Leave the library lines above out of this process's output (nothing when verbose: `is_verbose`)."""
+    if is_verbose(verbose):
         return
     # wandb's own banner; the job's last lines say where the run is and how to upload it.
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -60,10 +69,10 @@ def quiet_libraries() -> None:
         warnings.filterwarnings("ignore", message=re.escape(text))
 
 
-def without_library_lines(text: str) -> str:
+def without_library_lines(text: str, verbose: bool | None = None) -> str:
     """``text`` (processes' logs) less the library lines above, so that what failed stands out (nothing when
-    verbose)."""
-    if os.environ.get(VERBOSE_ENV) == "1":
+    verbose: `is_verbose`)."""
+    if is_verbose(verbose):
         return text
     return "\n".join(line for line in text.splitlines()
                      if not (line.startswith(_INFO) or _SEED.match(line) or line.startswith("💡 Tip:")))

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dynatrain.cli.process_flags import add_process_flags
 from dynatrain.cli.quiet import without_library_lines
 from dynatrain.launcher import PRELOAD, LaunchError, launch_local
 from dynatrain.models.configs import MODEL_CONFIGS
@@ -60,6 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stages-per-rank", type=int, default=1, help="pipeline stages per pp rank (Interleaved1F1B: 2+)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_process_flags(p)  # --verbose, --heap, --no-gc-freeze: for the ranks it starts
     p.add_argument("--chaos", type=int, default=None, metavar="SEED",
                    help="instead of --switches, a random sequence of layouts drawn from SEED over every term the "
                         "model supports, world changes up and down included (printed, so a failure is replayable)")
@@ -104,6 +106,7 @@ def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
 
 def _chaos(args, model):
     """The layouts of a chaos run (and the transition that is a death, with --inject)."""
+    from dynatrain.models.registry import spec_for
     from dynatrain.selfcheck.chaos import draw
 
     if args.chaos_terms:
@@ -111,7 +114,7 @@ def _chaos(args, model):
     elif model is None:
         terms = ("dp_replicate", "dp_shard", "tp")  # a module of your own: pp and ep need more of it
     else:
-        terms = ("dp_replicate", "dp_shard", "tp", "ep" if hasattr(model, "n_experts") else "pp")
+        terms = ("dp_replicate", "dp_shard", "tp", "ep" if spec_for(model).routed_experts else "pp")
     switches = 8 if args.steps is None else args.steps // args.steps_between - 1
     try:
         return draw(args.chaos, switches, model, max_devices=args.max_devices, terms=terms,

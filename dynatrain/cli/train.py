@@ -9,7 +9,6 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from dynatrain.elastic.manager import REJOIN_ENV
 from dynatrain.launcher import teardown_distributed
 
 
@@ -52,14 +51,13 @@ def check_layout(trainer, model, datamodule) -> None:
     data module's global batch. A process joining an elastic job takes the layout of the switch it joins, so it
     is not checked.
     """
-    from dynatrain.elastic.manager import JOIN_ENV
     from dynatrain.vps.parallel_config import ParallelConfig
 
     strategy = trainer.strategy
-    if not hasattr(strategy, "_parallel_request") or os.environ.get(JOIN_ENV) == "1":
+    if not hasattr(strategy, "parallel_request") or _elastic(strategy, "join"):
         return
     devices = trainer.num_nodes * trainer.num_devices
-    request = strategy._parallel_request
+    request = strategy.parallel_request
     pcfg = ParallelConfig(dp_shard=devices) if request == "auto" else ParallelConfig.parse(request)
     pcfg.validate(getattr(model, "model_config", None), devices)
     if hasattr(datamodule, "accumulation_for"):
@@ -67,6 +65,13 @@ def check_layout(trainer, model, datamodule) -> None:
             datamodule.accumulation_for(pcfg.dp_size)
         except ValueError as e:
             raise ValueError(f"layout {pcfg.short()} on {devices} devices: {e}") from None
+
+
+def _elastic(strategy, field: str) -> bool:
+    """An elastic strategy's ``join`` or ``rejoin``: its own value, else what the launcher carried
+    (`ElasticConfig.resolved`); False for a strategy that is not elastic."""
+    config = getattr(strategy, "elastic_config", None)
+    return config is not None and bool(getattr(config.resolved(), field))
 
 
 class _DynaTrainCLI(LightningCLI):
@@ -126,9 +131,13 @@ def run_lightning_cli(argv: list[str]) -> int:
     from dynatrain.llama_lm import CausalLM
 
     from dynatrain.cli.quiet import quiet_libraries
+    from dynatrain.memory import freeze_import_time_objects
 
     os.environ.setdefault("WANDB_MODE", "offline")
     quiet_libraries()
+    # The imports are done and no model, data module or Trainer exists yet: keep the objects of torch's and
+    # Lightning's imports out of every later collection (a switch's run 0.15 s shorter each; `--no-gc-freeze`).
+    freeze_import_time_objects()
     cli = _DynaTrainCLI(
         CausalLM,
         LlamaDataModule,
@@ -140,7 +149,7 @@ def run_lightning_cli(argv: list[str]) -> int:
         parser_kwargs={"prog": "dynatrain"},
     )
     trainer = cli.trainer
-    if getattr(trainer.strategy, "detached", False) and os.environ.get(REJOIN_ENV) == "1":
+    if getattr(trainer.strategy, "detached", False) and _elastic(trainer.strategy, "rejoin"):
         _stay_as_standby()
     if trainer.is_global_zero and argv and argv[0] == "fit":
         losses = getattr(cli.model, "step_losses", [])

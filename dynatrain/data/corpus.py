@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dynatrain.data.tokenizer import Tokenizer
+from dynatrain.settings import explicit_or_env
 
 DEFAULT_MAX_CORPUS_BYTES = 4_000_000
 """About 4 MB of the standard library: ~30k windows of 128 bytes, tokenised in well under a second."""
@@ -39,10 +40,14 @@ class SourceFile:
     mtime_ns: int
 
 
-def cache_dir() -> Path:
-    """`$DYNATRAIN_CACHE` if set, else `~/.cache/dynatrain`."""
-    env = os.environ.get("DYNATRAIN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dynatrain"
+CACHE_ENV = "DYNATRAIN_CACHE"
+
+
+def cache_dir(cache: str | Path | None = None) -> Path:
+    """Where tokenised text is cached: ``cache`` when given (the datamodule's ``cache_dir``; it wins), else
+    `$DYNATRAIN_CACHE` if set, else `~/.cache/dynatrain`."""
+    chosen = explicit_or_env(cache, CACHE_ENV)
+    return Path(chosen).expanduser() if chosen else Path.home() / ".cache" / "dynatrain"
 
 
 def stdlib_dir() -> Path:
@@ -156,7 +161,7 @@ def _atomic_save(path: Path, array: np.ndarray) -> None:
 def cached_tokens(files: list[SourceFile], max_bytes: int | None, tokenizer: Tokenizer,
                   cache: Path | None = None, name: str = "tokens") -> np.ndarray:
     """Tokens of `files` (cut at `max_bytes`), read from the cache or built and stored there."""
-    cache = cache_dir() if cache is None else Path(cache)
+    cache = cache_dir(cache)
     path = cache / f"{name}-{cache_key(files, max_bytes, tokenizer)}.npy"
     if path.is_file():
         try:
@@ -169,8 +174,8 @@ def cached_tokens(files: list[SourceFile], max_bytes: int | None, tokenizer: Tok
     try:
         _atomic_save(path, tokens)
     except OSError as err:
-        warnings.warn(f"could not write the token cache {str(path)!r} ({err}); set DYNATRAIN_CACHE to a "
-                      "writable folder to avoid tokenising again next time", stacklevel=2)
+        warnings.warn(f"could not write the token cache {str(path)!r} ({err}); give the datamodule's cache_dir "
+                      "(or set DYNATRAIN_CACHE) a writable folder to avoid tokenising again next time", stacklevel=2)
         return tokens
     return np.load(path, mmap_mode="r")
 

@@ -53,7 +53,8 @@ class LlamaDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         bin_dtype: "uint16" or "uint32" for a .bin file; default: from a .uint16.bin/.uint32.bin suffix,
             else uint16.
-        cache_dir: Where tokenised text is cached; default $DYNATRAIN_CACHE or ~/.cache/dynatrain.
+        cache_dir: Where tokenised text is cached; it wins over $DYNATRAIN_CACHE, the default when it is not
+            given, else ~/.cache/dynatrain.
     """
 
     def __init__(

@@ -15,6 +15,7 @@ every window of D*m global samples, the same split `ElasticSampler` makes of a m
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -29,12 +30,6 @@ from dynatrain.data.tokenizer import ByteTokenizer
 
 @runtime_checkable
 class DataParallelIterable(Protocol):
-    @classmethod
-    def embedded(cls, seq_len: int, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES, **kwargs
-                 ) -> "IterableTokenWindows":
-        """The embedded corpus (this interpreter's standard library, bytes as tokens) as such a stream."""
-        return cls(embedded_corpus(ByteTokenizer(), max_corpus_bytes), seq_len, **kwargs)
-
     def set_data_parallel(self, dp_size: int, dp_rank: int, next_global_sample: int) -> None: ...
 
 
@@ -57,10 +52,12 @@ class IterableTokenWindows(IterableDataset):
         self._perm: tuple[int, torch.Tensor] | None = None
 
     @classmethod
-    def embedded(cls, seq_len: int, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES, **kwargs
-                 ) -> "IterableTokenWindows":
-        """The embedded corpus (this interpreter's standard library, bytes as tokens) as such a stream."""
-        return cls(embedded_corpus(ByteTokenizer(), max_corpus_bytes), seq_len, **kwargs)
+    def embedded(cls, seq_len: int, max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES,
+                 cache_dir: str | Path | None = None, **kwargs) -> "IterableTokenWindows":
+        """The embedded corpus (this interpreter's standard library, bytes as tokens) as such a stream;
+        ``cache_dir``: where its tokens are cached (default ``$DYNATRAIN_CACHE`` or ``~/.cache/dynatrain``)."""
+        cache = Path(cache_dir) if cache_dir is not None else None
+        return cls(embedded_corpus(ByteTokenizer(), max_corpus_bytes, cache), seq_len, **kwargs)
 
     def set_data_parallel(self, dp_size: int, dp_rank: int, next_global_sample: int) -> None:
         check_rank(dp_size, dp_rank)

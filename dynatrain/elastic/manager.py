@@ -32,13 +32,15 @@ from dynatrain.elastic.world import (
     registered,
     union_then_target,
 )
-from dynatrain.threads import SPLIT, THREADS_ENV, host_name, resplit
+from dynatrain.settings import explicit_or_env
+from dynatrain.threads import host_name, resplit, splits_threads
 
-ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"
-TOKEN_ENV = "DYNATRAIN_TOKEN"
-ELASTIC_ENV = "DYNATRAIN_ELASTIC"  # the launcher's ElasticConfig (JSON), for strategies created without one
-JOIN_ENV = "DYNATRAIN_JOIN"  # set (to "1") in a process that joins a running job instead of starting one
-REJOIN_ENV = "DYNATRAIN_REJOIN"  # set (to "1") by a launcher with a standby pool: a leaver stays as a standby
+# What a launcher carries to the processes it starts, read as the defaults of `ElasticConfig` (dynatrain.settings):
+ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"  # ElasticConfig.endpoint
+TOKEN_ENV = "DYNATRAIN_TOKEN"  # ElasticConfig.token
+ELASTIC_ENV = "DYNATRAIN_ELASTIC"  # the launcher's ElasticConfig (JSON), for strategies created with elastic=None
+JOIN_ENV = "DYNATRAIN_JOIN"  # ElasticConfig.join: "1" in a process that joins a running job instead of starting one
+REJOIN_ENV = "DYNATRAIN_REJOIN"  # ElasticConfig.rejoin: "1" from a launcher with a standby pool
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
 # Every member waits at the rendezvous for the last admitted joiner to notice: poll often (one small store request).
 ADMISSION_POLL = 0.01
@@ -60,6 +62,19 @@ class ElasticConfig:
         recovery_wait: the longest survivors of a fault wait for a member that still beats but has not reported
             (it may be blocked in a collective until ``timeout``); default ``timeout + 10``.
         endpoint, token: the job's store (default: ``$DYNATRAIN_ENDPOINT``, ``$DYNATRAIN_TOKEN``).
+        join: this process joins the running job (registers, gets ready and waits for a scale-out to admit it)
+            instead of starting it with the others. None (the default): ``$DYNATRAIN_JOIN=1`` says so, as
+            `dynatrain join` and the launchers' joiners set it; leave it None in a recipe that members and joiners
+            share.
+        rejoin: a process of `dynatrain fit` or `dynatrain join` that leaves the job starts over as a standby
+            (`dynatrain join`) instead of exiting. None: ``$DYNATRAIN_REJOIN=1``, as the launcher sets it with
+            ``--elastic.standby``.
+        split_threads: after every world change in a CPU world, set this process's intra-op threads to its share
+            of its host's cores (`dynatrain.threads`). None: only when a launcher of dynatrain's chose the count
+            (``$DYNATRAIN_THREADS=split``, for a process started without ``OMP_NUM_THREADS``).
+
+    An explicit value always wins over the environment, which only carries a launcher's values to the processes it
+    starts (`dynatrain.settings`); `resolved` applies that precedence.
     """
 
     max_devices: int | None = None
@@ -70,6 +85,9 @@ class ElasticConfig:
     recovery_wait: float | None = None
     endpoint: str | None = None
     token: str | None = None
+    join: bool | None = None
+    rejoin: bool | None = None
+    split_threads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_devices is not None and self.max_devices < 1:
@@ -82,8 +100,10 @@ class ElasticConfig:
 
     @classmethod
     def parse(cls, value: "ElasticConfig | dict | bool | None") -> "ElasticConfig | None":
-        if value is None and os.environ.get(ELASTIC_ENV):
-            value = json.loads(os.environ[ELASTIC_ENV])
+        """A strategy's ``elastic=``: None (not given) takes ``$DYNATRAIN_ELASTIC``, the JSON config a launcher
+        (`dynatrain fit --elastic.*`) gives the processes it starts, and is not elastic without it; any explicit
+        value (False included) wins over it whole, fields the launcher set but the value lacks included."""
+        value = explicit_or_env(value, ELASTIC_ENV, json.loads)
         if value is None or value is False:
             return None
         if value is True:
@@ -98,6 +118,20 @@ class ElasticConfig:
             return cls(**value)
         raise TypeError(f"elastic= takes True, a dict of ElasticConfig fields or an ElasticConfig, got {value!r}")
 
+    def resolved(self) -> "ElasticConfig":
+        """This config with each field left None that a launcher may carry filled from the environment: a value
+        given explicitly wins (`dynatrain.settings.explicit_or_env`). ``split_threads`` stays as it is: the
+        environment's mark is read at every world change (`threads.splits_threads`)."""
+        from dataclasses import replace
+
+        return replace(
+            self,
+            endpoint=explicit_or_env(self.endpoint or None, ENDPOINT_ENV),
+            token=explicit_or_env(self.token or None, TOKEN_ENV),
+            join=bool(explicit_or_env(self.join, JOIN_ENV, lambda v: v == "1")),
+            rejoin=bool(explicit_or_env(self.rejoin, REJOIN_ENV, lambda v: v == "1")),
+        )
+
 
 def initial_member(rank: int) -> str:
     return f"000000-{rank:06d}"
@@ -107,10 +141,9 @@ class ElasticManager:
     def __init__(self, config: ElasticConfig, backend: str | None = None) -> None:
         """``backend``: of every generation's process group; by default NCCL where CUDA is visible, else gloo. A
         strategy passes its own (Lightning's choice for its device), so CPU ranks on a GPU host form gloo groups."""
-        self.config = config
+        self.config = config = config.resolved()  # explicit fields, else what the launcher carried
         self.backend = backend
-        endpoint = config.endpoint or os.environ.get(ENDPOINT_ENV)
-        token = config.token or os.environ.get(TOKEN_ENV)
+        endpoint, token = config.endpoint, config.token
         if not endpoint or not token:
             raise ValueError(
                 "elastic training needs the job's store: start it with `dynatrain fit --elastic.max_devices N ...` "
@@ -120,7 +153,7 @@ class ElasticManager:
         self.store = connect(endpoint, token, timeout=config.timeout)
         self.world: WorldGeneration | None = None
         self.member_id: str | None = None
-        self.joining = os.environ.get(JOIN_ENV) == "1"
+        self.joining = bool(config.join)
         self._beating: threading.Event | None = None
         self._joiner_beats: dict[str, tuple[int, float]] = {}  # joiner -> (last beat count, when it changed)
         self.thread_splits: list[tuple[int, int]] = []  # per world this process entered: (processes on host, threads)
@@ -301,10 +334,11 @@ class ElasticManager:
         where dynatrain chose the count, and only in a CPU world: on GPUs the operators do not run on these
         threads, and the count reads every member's registration); the count set, or None. A member that left
         has no share to take."""
-        if self.world is None or os.environ.get(THREADS_ENV) != SPLIT or "nccl" in (self.backend or default_backend()):
+        if (self.world is None or not splits_threads(self.config.split_threads)
+                or "nccl" in (self.backend or default_backend())):
             return None
         processes = self.processes_on_this_host()
-        n = resplit(processes)
+        n = resplit(processes, split=True)
         self.thread_splits.append((processes, n))
         return n
 

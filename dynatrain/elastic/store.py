@@ -26,7 +26,7 @@ from pathlib import Path
 
 TOKEN_KEY = "dynatrain/token_sha256"
 SHUTDOWN_KEY = "dynatrain/shutdown"
-TOKEN_ENV = "DYNATRAIN_STORE_TOKEN"
+TOKEN_ENV = "DYNATRAIN_STORE_TOKEN"  # the default of --token: how start_store passes it, off the command line
 
 
 def _token_hash(token: str) -> bytes:

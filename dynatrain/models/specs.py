@@ -1,154 +1,36 @@
-"""The zoo's analytic state specs: every routed state of a Llama model and how `apply_tp` + `apply_fsdp` split it,
-computed from the config alone (mixture-of-experts models: `models.moe_specs`). `dynatrain plan` plans 1,024-rank
-switches from these without building a model; a test holds them equal to the specs captured from a real
-parallelised model.
-
-With pipeline parallelism (``pp > 1``) the live runtime splits the model by `models.stage_split` and applies TP then
-FSDP2 on each stage's ``(dp_replicate, dp_shard, tp)`` sub-mesh, so a state keeps the placements it has without pp
-and is ``held`` only at its stage's pp coordinate: the embedding on stage 0, the final norm and the output on the
-last stage, block ``i`` on the stage `stage_split` gives it.
+"""The zoo's analytic state specs, for any registered kind of model: every routed state and how the kind's
+parallelisation splits it, computed from the config alone (dense: `models.dense_specs`, mixture of experts:
+`models.moe_specs`; the kind comes from `models.registry`). `dynatrain plan` plans 1,024-rank switches from these
+without building a model; tests hold them equal to the specs captured from real parallelised models.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dynatrain.models.configs import MODEL_CONFIGS, ModelConfig
-from dynatrain.models.moe_configs import MOE_CONFIGS, MoEConfig
-from dynatrain.models.moe_specs import moe_layout, moe_states
-from dynatrain.models.stage_split import stage_of_layer, stage_split
-from dynatrain.models.tp_plan import tp_shard_dim
-from dynatrain.vps.layout import STATE_KINDS, Layout, StateSpec
+from dynatrain.models.dense_specs import (  # noqa: F401  (the dense entry points callers import from here)
+    param_stages,
+    pipeline_layout,
+    pipeline_stage_split,
+    rule_for_param,
+)
+from dynatrain.models.registry import ZooConfig, get_zoo_config, spec_for, zoo_names  # noqa: F401
+from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
-from dynatrain.vps.placement import LocalShards, Sharding
-from dynatrain.vps.rules import ShardRule, layout_shards, rule_sharding
 
 
-def rule_for_param(name: str, shape: tuple[int, ...]) -> ShardRule:
-    """The rule `apply_tp` gives a model parameter, read from the one TP table in `models.tp_plan`."""
-    try:
-        dim = tp_shard_dim(name)
-    except KeyError as err:
-        raise ValueError(f"{err.args[0]}: add it to dynatrain/models/tp_plan.py") from None
-    return ShardRule(tuple(shape), dim)
-
-
-def zoo_names() -> list[str]:
-    """Every model name the analytic specs know, dense and mixture-of-experts."""
-    return sorted(MODEL_CONFIGS) + sorted(MOE_CONFIGS)
-
-
-def get_zoo_config(model: "str | ModelConfig | MoEConfig") -> "ModelConfig | MoEConfig":
-    """A dense or mixture-of-experts config by name (or the config itself)."""
-    if isinstance(model, (ModelConfig, MoEConfig)):
-        return model
-    if model in MOE_CONFIGS:
-        return MOE_CONFIGS[model]
-    if model in MODEL_CONFIGS:
-        return MODEL_CONFIGS[model]
-    raise ValueError(f"unknown model {model!r}; choose a dense one ({', '.join(MODEL_CONFIGS)}) or a mixture of "
-                     f"experts ({', '.join(MOE_CONFIGS)})")
-
-
-def model_states(model: "str | ModelConfig | MoEConfig", kind: str = "fp32-adam") -> tuple[StateSpec, ...]:
+def model_states(model: str | ZooConfig, kind: str = "fp32-adam") -> tuple[StateSpec, ...]:
     """Every routed state of a model: per parameter, the weight and its optimizer states (see STATE_KINDS)."""
     cfg = get_zoo_config(model)
-    if isinstance(cfg, MoEConfig):
-        return moe_states(cfg, kind)
-    if kind not in STATE_KINDS:
-        raise ValueError(f"unknown state kind {kind!r}; choose one of {', '.join(STATE_KINDS)}")
-    out = []
-    for name, shape in cfg.param_shapes().items():
-        rule = rule_for_param(name, shape)
-        for suffix, dtype in STATE_KINDS[kind]:
-            out.append(StateSpec(name + suffix, shape, dtype, rule.tp_dim, rule.fused))
-    return tuple(out)
+    return spec_for(cfg).states(cfg, kind)
 
 
 def layout_for_model(
-    model: "str | ModelConfig | MoEConfig", pcfg: ParallelConfig, kind: str = "fp32-adam",
+    model: str | ZooConfig, pcfg: ParallelConfig, kind: str = "fp32-adam",
     rank_map: Sequence[int | None] | None = None, stages_per_rank: int = 1,
 ) -> Layout:
     """The layout the zoo's parallelisation gives ``model`` on ``pcfg``; ``rank_map`` defaults to position =
     process. With ``pp > 1`` the model runs ``pp * stages_per_rank`` stages (interleaved schedules take more than
     one per rank); without pp there is one stage whatever ``stages_per_rank`` says."""
     cfg = get_zoo_config(model)
-    if isinstance(cfg, MoEConfig):
-        return moe_layout(cfg, pcfg, kind, rank_map)
-    pcfg.validate(cfg)
-    if pcfg.pp == 1:
-        return Layout.from_config(model_states(cfg, kind), pcfg, rank_map)
-    return pipeline_layout(cfg, pcfg, kind, rank_map, stages_per_rank)
-
-
-def pipeline_stage_split(cfg: ModelConfig, pp: int, stages_per_rank: int = 1) -> tuple[tuple[int, int], ...]:
-    """The layer ranges of the ``pp * stages_per_rank`` stages, or a ValueError that says what to change."""
-    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ValueError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
-    n_stages = pp * stages_per_rank
-    if n_stages > cfg.n_layers:
-        raise ValueError(
-            f"pp={pp} x stages_per_rank={stages_per_rank} = {n_stages} pipeline stages need at least one layer "
-            f"each, and model {cfg.name!r} has {cfg.n_layers}: choose pp x stages_per_rank <= {cfg.n_layers}"
-        )
-    return stage_split(cfg, n_stages)
-
-
-def param_stages(cfg: ModelConfig, split: Sequence[tuple[int, int]]) -> dict[str, int]:
-    """The stage of every parameter: the embedding on the first, the final norm and output on the last, block
-    ``i``'s parameters on the stage whose layer range holds ``i``."""
-    last = len(split) - 1
-    out = {}
-    for name in cfg.param_shapes():
-        if name.startswith("layers."):
-            out[name] = stage_of_layer(split, int(name.split(".", 2)[1]))
-        elif name.startswith("tok_embeddings."):
-            out[name] = 0
-        else:
-            out[name] = last
-    return out
-
-
-def pipeline_layout(cfg: ModelConfig, pcfg: ParallelConfig, kind: str = "fp32-adam",
-                    rank_map: Sequence[int | None] | None = None, stages_per_rank: int = 1) -> Layout:
-    """A dense model's layout with ``pp > 1``: every state's placements without pp, held at its stage's pp
-    coordinate (stage ``j`` runs on coordinate ``j % pp``)."""
-    split = pipeline_stage_split(cfg, pcfg.pp, stages_per_rank)
-    stage = param_stages(cfg, split)
-    states = model_states(cfg, kind)
-    stage_cfg = pcfg.without_pp()
-    size, world = pcfg.stage_size, pcfg.world_size
-    if rank_map is None:
-        rank_map = tuple(range(world))
-    if len(rank_map) != world:
-        raise ValueError(f"layout {pcfg.short()} has {world} positions, the rank map {len(rank_map)}")
-    # What `Layout.from_shardings` would compute position by position, built per stage: the held positions take
-    # the shards of the layout without pp, every other position the empty shard. At 16,384 positions this is what
-    # keeps a 405B layout at a fraction of a second.
-    keys: dict[tuple, int] = {}
-    classes: list[tuple[LocalShards, ...]] = []
-    shardings: list[Sharding] = []
-    state_class: list[int] = []
-    stage_shards: dict[ShardRule, tuple[LocalShards, ...]] = {}
-    placed: dict[tuple[ShardRule, int], Sharding] = {}
-    params = list(stage)
-    per_param = len(STATE_KINDS[kind])  # `model_states` lists each parameter's states together, in this order
-    for i, spec in enumerate(states):
-        coordinate = stage[params[i // per_param]] % pcfg.pp
-        rule = spec.rule
-        sharding = placed.get((rule, coordinate))
-        if sharding is None:
-            sharding = placed[(rule, coordinate)] = rule_sharding(rule, pcfg).held_along(pcfg.pp_dim, (coordinate,))
-        key = (spec.shape, sharding)
-        c = keys.get(key)
-        if c is None:
-            c = keys[key] = len(classes)
-            held = stage_shards.get(rule)
-            if held is None:
-                held = stage_shards[rule] = layout_shards(rule, stage_cfg)
-            empty = (LocalShards((), (), (0,) * len(spec.shape)),)
-            classes.append(empty * (coordinate * size) + held + empty * ((pcfg.pp - coordinate - 1) * size))
-        shardings.append(sharding)
-        state_class.append(c)
-    return Layout(states, tuple(state_class), tuple(classes), tuple(rank_map), pcfg, tuple(shardings))
-
+    return spec_for(cfg).layout(cfg, pcfg, kind, rank_map, stages_per_rank)

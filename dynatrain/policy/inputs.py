@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dynatrain.models.configs import ModelConfig
-from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.specs import get_zoo_config
+from dynatrain.models.registry import ZooConfig, get_zoo_config
 from dynatrain.planner.network import NetworkModel
 from dynatrain.vps.layout import DTYPE_ITEMSIZE, STATE_KINDS
 
@@ -82,7 +80,7 @@ class Workload:
     ``auto``: the search takes, per layout, the first of `CHECKPOINTING_ORDER` whose memory fits.
     ``loss_parallel``: with tp > 1 the logits stay split over the vocabulary (the strategy's default)."""
 
-    model: ModelConfig | MoEConfig | str
+    model: ZooConfig | str
     seq_len: int
     global_batch: int
     micro_batch: int = 1

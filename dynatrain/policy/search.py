@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dynatrain.models.configs import ModelConfig
-from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.models.registry import ZooConfig, spec_for
 from dynatrain.policy.comm import tp_spans_nodes
 from dynatrain.policy.inputs import CHECKPOINTING_ORDER, GiB, CostModel, Devices, Workload
 from dynatrain.policy.memory_model import MemoryEstimate, estimate_memory
@@ -126,18 +125,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_configs(count: int, model: ModelConfig | MoEConfig | None = None, pipeline: bool = True
-                      ) -> list[ParallelConfig]:
-    """Every (dp_replicate, dp_shard, tp) whose product is ``count``; for a mixture-of-experts ``model`` also
-    every ep that divides both dp_shard and the model's experts; for a dense ``model`` also every pp > 1 that
-    divides ``count`` and has a layer per stage, with every (dp_replicate, dp_shard, tp) of ``count / pp``."""
-    n_experts = getattr(model, "n_experts", None)
+def enumerate_configs(count: int, model: ZooConfig | None = None, pipeline: bool = True) -> list[ParallelConfig]:
+    """Every (dp_replicate, dp_shard, tp) whose product is ``count``; for a ``model`` with routed experts also
+    every ep that divides both dp_shard and the model's experts; for a ``model`` that splits into pipeline stages
+    (dense) also every pp > 1 that divides ``count`` and has a layer per stage, with every (dp_replicate, dp_shard,
+    tp) of ``count / pp``."""
+    spec = None if model is None else spec_for(model)
+    n_experts = model.n_experts if spec is not None and spec.routed_experts else None
     out = []
     for tp in _divisors(count):
         for shard in _divisors(count // tp):
             eps = [e for e in _divisors(shard) if n_experts and not n_experts % e] or [1]
             out += [ParallelConfig(count // (tp * shard), shard, tp, ep) for ep in eps]
-    if isinstance(model, ModelConfig) and pipeline:
+    if spec is not None and spec.pipeline and pipeline:
         for pp in _divisors(count)[1:]:
             if pp > model.n_layers:
                 break

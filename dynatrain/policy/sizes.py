@@ -7,10 +7,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from dynatrain.models.configs import ModelConfig
-from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.moe_specs import is_routed_expert, moe_tp_dim
-from dynatrain.models.specs import pipeline_stage_split, rule_for_param
+from dynatrain.models.moe_specs import is_routed_expert
+from dynatrain.models.registry import ZooConfig, spec_for
 from dynatrain.planner.pipeline_cost import StageLoad, stage_loads
 
 
@@ -26,12 +24,9 @@ class ModelSizes:
     embedding: int = 0      # of ``root``, the input embedding's (the rest, final norm and output, runs last)
 
 
-def _tp_dim(model: ModelConfig | MoEConfig, name: str, shape: tuple[int, ...]) -> int | None:
-    return moe_tp_dim(name) if isinstance(model, MoEConfig) else rule_for_param(name, shape).tp_dim
-
-
 @lru_cache(maxsize=256)
-def model_sizes(model: ModelConfig | MoEConfig, tp: int) -> ModelSizes:
+def model_sizes(model: ZooConfig, tp: int) -> ModelSizes:
+    spec = spec_for(model)
     tp_local = block = root = experts = expert_block = embedding = 0
     for name, shape in model.param_shapes().items():
         n = math.prod(shape)
@@ -39,24 +34,19 @@ def model_sizes(model: ModelConfig | MoEConfig, tp: int) -> ModelSizes:
             experts += n
             expert_block += n if name.startswith("layers.0.") else 0
             continue
-        local = n if _tp_dim(model, name, shape) is None else n // tp
+        local = n if spec.tp_dim(name, shape) is None else n // tp
         tp_local += local
         if name.startswith("layers.0."):
             block += local
         elif not name.startswith("layers."):
             root += local
             embedding += local if name.startswith("tok_embeddings.") else 0
-    if isinstance(model, MoEConfig):
-        active = experts * model.top_k // model.n_experts
-        matmul = model.num_params() - experts - model.vocab_size * model.dim
-        return ModelSizes(tp_local, block, root, matmul, experts, expert_block, active, embedding)
-    matmul = model.num_params() - model.vocab_size * model.dim
-    return ModelSizes(tp_local, block, root, matmul, embedding=embedding)
+    active = experts * model.top_k // model.n_experts if spec.routed_experts else 0
+    matmul = model.num_params() - experts - model.vocab_size * model.dim
+    return ModelSizes(tp_local, block, root, matmul, experts, expert_block, active, embedding)
 
 
 @lru_cache(maxsize=256)
-def pipeline_loads(model: ModelConfig | MoEConfig, pp: int) -> tuple[StageLoad, ...]:
+def pipeline_loads(model: ZooConfig, pp: int) -> tuple[StageLoad, ...]:
     """What each pp rank runs, by the stage split the runtime uses (one stage per rank)."""
-    if isinstance(model, MoEConfig):
-        raise ValueError("pipeline parallelism is not supported for mixture-of-experts models yet: use pp=1")
-    return stage_loads(pipeline_stage_split(model, pp), pp)
+    return stage_loads(spec_for(model).stages(model, pp), pp)

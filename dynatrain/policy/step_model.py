@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynatrain.models.moe_configs import MoEConfig
+from dynatrain.models.registry import spec_for
 from dynatrain.planner.pipeline_cost import (
     StageTerms, boundary_inside_node, p2p_seconds, pipeline_step, stage_params, tp_all_reduces,
 )
@@ -44,10 +44,7 @@ def recompute_fraction(work: Workload) -> float:
     per op, the matmuls the policy does not keep (wk, wo, w3 of a dense block, attention kept; half a MoE block)."""
     model = work.model
     if work.activation_checkpointing == "selective:op":
-        if isinstance(model, MoEConfig):
-            return 0.5
-        h, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
-        return (h * kv + h * h + h * f) / (2 * h * h + 2 * h * kv + 3 * h * f)
+        return spec_for(model).op_recompute_fraction(model)
     every = work.checkpoint_every
     return (model.n_layers // every) / model.n_layers if every else 0.0
 
@@ -56,7 +53,7 @@ def _compute_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> t
     """(all compute, of it the recomputation) seconds of one step."""
     model = work.model
     sizes = model_sizes(model, 1)
-    width = model.n_heads * model.attn_head_dim if isinstance(model, MoEConfig) else model.dim
+    width = spec_for(model).attention_width(model)
     blocks = 6 * sizes.block * model.n_layers + 12 * model.n_layers * width * work.seq_len
     per_token = 6 * sizes.matmul + 12 * model.n_layers * width * work.seq_len
     rate = devices.flops * devices.efficiency
@@ -171,7 +168,7 @@ def _all_to_all_step_seconds(cfg: ParallelConfig, devices: Devices, work: Worklo
     times (dispatch) and gets them back (combine), forward and again backward, over its ep group. Never hidden:
     the layer waits for its tokens."""
     model = work.model
-    if cfg.ep == 1 or not isinstance(model, MoEConfig):
+    if cfg.ep == 1 or not spec_for(model).routed_experts:
         return 0.0
     tokens = work.micro_batch * work.seq_len
     nbytes = tokens * model.dim * model.top_k * DTYPE_ITEMSIZE[work.compute_dtype]

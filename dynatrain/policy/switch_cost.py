@@ -7,8 +7,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.specs import layout_for_model, model_states
+from dynatrain.models.registry import spec_for
+from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.policy.inputs import DEFAULT_SWITCH_BUDGET, CostModel, Devices, Workload
 from dynatrain.policy.search import LayoutCandidate, estimate_layout
@@ -40,13 +40,14 @@ def price_switch(current: ParallelConfig | str, target: ParallelConfig | str, de
     ``rank_map``: the process at each position of ``current`` (identity by default). ``leave``/``lost`` pass
     through to `plan_switch` for a change of device count."""
     current, target = ParallelConfig.parse(current), ParallelConfig.parse(target)
-    if isinstance(work.model, MoEConfig) or current.pp > 1 or target.pp > 1:
-        # Expert placements follow no dense rule, and a pipeline stage holds the layers of the model's stage
-        # split: both layouts come from the analytic placements.
+    spec = spec_for(work.model)
+    if spec.placed_by_rules and current.pp == 1 and target.pp == 1:
+        old = Layout.from_config(spec.states(work.model, work.state_kind), current, rank_map)
+    else:
+        # Placements outside the rules (routed experts), and a pipeline stage holding the layers of the model's
+        # stage split: both layouts come from the analytic placements.
         old = layout_for_model(work.model, current, work.state_kind, rank_map)
         target = layout_for_model(work.model, target, work.state_kind)
-    else:
-        old = Layout.from_config(model_states(work.model, work.state_kind), current, rank_map)
     plan = plan_switch(old, target, leave=leave, lost=lost, rank_map="optimal", budget_bytes=budget_bytes,
                        gpus_per_node=devices.per_node, compare_identity=False)
     return SwitchCost(plan.bytes_moved, plan.bytes_total, plan.num_rounds,

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dynatrain.strategies.capture import local_tensor
-from dynatrain.strategies.target import param_children
+from dynatrain.switch.capture import local_tensor
+from dynatrain.switch.target import param_children
 
 
 # Hyper-parameters stored per parameter name: under pp each stage holds other parameters, and a list of param

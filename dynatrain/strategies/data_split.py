@@ -27,11 +27,17 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from dynatrain.data.elastic_sampler import ElasticSampler
 from dynatrain.data.iterable import DataParallelIterable
+from dynatrain.strategies.fit_loop import (
+    micro_batches_done,
+    restart_fetcher,
+    set_epoch_length,
+    set_val_lengths,
+    stage_loaders,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from dynatrain.strategies.dynatrain import DynaTrainStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy as DynaTrainStrategy  # with dp_size, dp_rank
 
 
 class BatchMismatchError(RuntimeError):
@@ -123,9 +129,7 @@ class DataSplit:
 
     def _forget_reloaded(self, trainer: "pl.Trainer", training: bool) -> None:
         """Lightning (re)loads a stage's loaders: those of its current combined loader are being replaced."""
-        loop = trainer.fit_loop if training else trainer.fit_loop.epoch_loop.val_loop
-        combined = loop._combined_loader
-        old = [] if combined is None else list(combined.flattened)
+        old = stage_loaders(trainer, training)
         stale = lambda loader: any(loader is d for d in old)  # noqa: E731
         if training:
             self.train = [(d, s) for d, s in self.train if not stale(d)]
@@ -187,7 +191,7 @@ class DataSplit:
         accumulation = self.accumulation_for(dp_size)
         if accumulation is not None:
             trainer.accumulate_grad_batches = accumulation
-        micro_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        micro_done = micro_batches_done(trainer)
         self._resplit(trainer, dp_size, dp_rank, trainer.global_step - self.first_step, micro_done)
         for _, sampler in self.val:
             sampler.set_layout(dp_size, dp_rank)
@@ -210,33 +214,27 @@ class DataSplit:
 
     def _lengths(self, trainer: "pl.Trainer", micro_done: int = 0) -> None:
         """Lightning measures its loaders once; a new split changes how many micro-batches each rank reads."""
-        fit = trainer.fit_loop
-        combined = fit._combined_loader
-        if combined is not None and self.train:
-            _set_epoch_length(trainer, [len(d) for d, _ in self.train])
-        elif combined is not None and trainer.limit_train_batches == 1.0:
+        loaders = stage_loaders(trainer, training=True)
+        if loaders and self.train:
+            set_epoch_length(trainer, [len(d) for d, _ in self.train])
+        elif loaders and trainer.limit_train_batches == 1.0:
             sampler = getattr(self._zoo_module(trainer), "train_sampler", None)
-            if sampler is not None and hasattr(sampler, "remaining_in_epoch") and len(combined.flattened) == 1:
+            if sampler is not None and hasattr(sampler, "remaining_in_epoch") and len(loaders) == 1:
                 # The zoo's sampler counts its epoch in global samples: what is left of it from here, in this
                 # split's micro-batches (Lightning then ends its epoch where the sampler's ends).
                 micro = trainer.datamodule.micro_batch_size
-                _set_epoch_length(trainer, [micro_done + sampler.remaining_in_epoch() // micro])
-        val = fit.epoch_loop.val_loop
-        if self.val and val._combined_loader is not None and len(val._max_batches) == len(self.val):
+                set_epoch_length(trainer, [micro_done + sampler.remaining_in_epoch() // micro])
+        if self.val:
             limit = trainer.limit_val_batches
-            val._max_batches = [min(len(d), limit) if isinstance(limit, int) else int(len(d) * limit)
-                                for d, _ in self.val]
+            set_val_lengths(trainer, [min(len(d), limit) if isinstance(limit, int)
+                                                     else int(len(d) * limit) for d, _ in self.val])
 
     def _restart_workers(self, trainer: "pl.Trainer") -> None:
         """DataLoader workers read ahead under the old split: start the iterator again, discarding that."""
         if not any(d.num_workers > 0 for d, _ in self.train) and not self.streams:
             return
-        fetcher = trainer.fit_loop._data_fetcher
-        if fetcher is None or not trainer.training:
-            return
-        fetched = fetcher.fetched
-        iter(fetcher)
-        fetcher.fetched = fetched
+        if trainer.training:
+            restart_fetcher(trainer)
 
     # ---- Lightning's epochs, checkpoints and steps --------------------------------------------------------
     def on_train_start(self, trainer: "pl.Trainer") -> bool:
@@ -256,7 +254,7 @@ class DataSplit:
         self._resumed_epoch = trainer.current_epoch
         if self.owned:
             self._keep_global_batch(trainer)
-            ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            ready = micro_batches_done(trainer)
             self._resplit(trainer, self.strategy.dp_size, self.strategy.dp_rank,
                           trainer.global_step - self.first_step, ready)
             self._restart_workers(trainer)
@@ -267,7 +265,7 @@ class DataSplit:
         """Whether the epoch starting is the one training resumed in (already set up by `on_train_start`)."""
         if self._resumed_epoch == trainer.current_epoch:
             self._resumed_epoch = None
-            return trainer.fit_loop.epoch_loop.batch_progress.current.ready > 0
+            return micro_batches_done(trainer) > 0
         self._resumed_epoch = None
         self.first_step = trainer.global_step
         if self.owned:
@@ -280,7 +278,7 @@ class DataSplit:
         if self._state is None or self._state.get("epoch") != trainer.current_epoch:
             return None, 0
         step = trainer.global_step - int(self._state["first_step"])
-        return step, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return step, micro_batches_done(trainer)
 
     def _keep_global_batch(self, trainer: "pl.Trainer") -> None:
         accumulation = self.accumulation_for(self.strategy.dp_size)  # a resume may run on another split
@@ -334,20 +332,6 @@ class DataSplit:
                 "different ones: their tensor- or pipeline-parallel computation would mix unrelated samples. Let the "
                 "strategy split the data (Lightning's sampler injection, use_distributed_sampler=True), or split it "
                 "by trainer.strategy.dp_rank / dp_size")
-
-
-def _set_epoch_length(trainer: "pl.Trainer", lengths: list[int]) -> None:
-    """Micro-batches of each training loader in the running epoch, wherever Lightning measured them: the loop's
-    bound, the combined loader's limits (also those its running iterator began with) and the fetcher's length."""
-    fit = trainer.fit_loop
-    combined = fit._combined_loader
-    if len(lengths) == len(combined.flattened):
-        combined.limits = lengths
-        if combined._iterator is not None:
-            combined._iterator.limits = lengths
-    fit.max_batches = max(lengths)
-    if fit._data_fetcher is not None and fit._data_fetcher.length is not None:
-        fit._data_fetcher.length = fit.max_batches
 
 
 def fingerprint(batch: Any) -> int:

@@ -32,10 +32,10 @@ from dynatrain.models.compile import compile_backend
 from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, materialize_model, parallelize_llama
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
-from dynatrain.strategies.lightning_world import adopt_logger_versions, logger_versions, set_world
+from dynatrain.strategies.lightning_world import adopt_logger_versions, forget_old_meshes, logger_versions, set_world
 from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
 from dynatrain.strategies.steps import CompileWatch, StepHooks
-from dynatrain.strategies.target import ModuleTemplate, to_meta
+from dynatrain.switch.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +63,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         sequence_parallel: shard activations along the sequence between TP regions.
         param_dtype: FSDP2 mixed precision: dtype parameters are gathered in (``"bfloat16"``), or None.
         reduce_dtype: FSDP2 mixed precision: dtype of the gradient reduce-scatter.
-        verify_switches: check every layout switch bitwise (per-state checksums before and after).
+        verify_switches: check every layout switch bitwise: per-state checksums before and after, each element
+            indexed by its tensor's own placements, never by the plan (see `dynatrain.switch.verify`); covers
+            optimizer scalars and LR schedulers; its seconds are the report's ``verify`` phase.
         switch_budget_mb: transient memory per rank for a layout switch beyond holding the state once: half
             stages a round's send + receive buffers, half holds the states in flight (see docs/planner.md).
         rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire),
@@ -103,7 +105,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         sequence_parallel: bool = False,
         param_dtype: str | None = None,
         reduce_dtype: str | None = "float32",
-        verify_switches: bool = False,
+        verify_switches: bool = True,
         switch_budget_mb: float = 256.0,
         rank_map: str = "auto",
         save_distributed_checkpoint: bool = True,
@@ -177,6 +179,11 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
+    def parallel_request(self) -> str | ParallelConfig:
+        """The layout asked for at construction: ``"auto"`` or a `ParallelConfig`."""
+        return self._parallel_request
+
+    @property
     def dp_size(self) -> int:
         return self.parallel_config.dp_size if self.parallel_config else self.world_size
 
@@ -228,7 +235,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
                 return
         self.parallel_config = self._resolve_layout()
         self.positions = list(range(self.parallel_config.world_size))
-        self._device_mesh = self._build_mesh(self.parallel_config)
+        self._device_mesh = self.build_mesh(self.parallel_config)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -266,7 +273,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         # An elastic process keeps its device while its rank and the world around it change.
         return self._device if self._device is not None else super().root_device
 
-    def _build_mesh(self, pcfg: ParallelConfig, ranks=None) -> DeviceMesh:
+    def build_mesh(self, pcfg: ParallelConfig, ranks=None) -> DeviceMesh:
         """The mesh of a layout and rank arrangement, built once per world and reused when a switch returns to it.
 
         Reuse keeps the number of process groups bounded by the layouts visited; every rank takes the same
@@ -281,6 +288,33 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
             connect_mesh_groups(mesh, pcfg, self.root_device)
             self._meshes[key] = mesh
         return mesh
+
+    def install_layout(self, mesh: DeviceMesh, pcfg: ParallelConfig, positions) -> None:
+        """Run on ``mesh`` as ``pcfg`` (``positions``: the rank at each mesh position) from now on."""
+        self._device_mesh = mesh
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = mesh
+        self.parallel_config, self.positions = pcfg, list(positions)
+
+    def forget_meshes(self, drop_groups: bool = False) -> None:
+        """Forget every mesh of this world, the current one included (its world is gone). ``drop_groups``: also
+        empty their process-group registries and DTensor's caches, so that a broken world's groups go with their
+        last reference."""
+        if drop_groups:
+            for mesh in [*self._meshes.values(), self._device_mesh]:
+                for m in (mesh, getattr(mesh, "_root_mesh", None)):
+                    registry = getattr(m, "_pg_registry", None)
+                    if registry is not None:
+                        registry.clear()
+            forget_old_meshes()
+        self._meshes.clear()
+        self._device_mesh = None
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = None
+
+    def placeholder_module(self) -> nn.Module | None:
+        """An unparallelised copy of the module on meta (for a process that left the job to hold), if kept."""
+        return self._template.fresh() if self._template is not None else None
 
     # ---- model --------------------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module, mesh: DeviceMesh | None = None, pcfg: ParallelConfig | None = None
@@ -386,7 +420,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
     @property
     def _joining(self) -> bool:
         """A process started with `dynatrain join`, until it trains: its state arrives with the switch."""
-        return self._switcher is not None and self._switcher.joined is not None
+        return self._switcher is not None and self._switcher.joining is not None
 
     def at_step_boundary(self) -> bool:
         """True between two optimizer steps (where a switch may run), False inside a gradient accumulation."""

@@ -1,25 +1,49 @@
-"""Lightning's fit loop kept in step with layout switches: a requested switch runs right after the micro-batch
-that closed an optimizer step; after a switch changes the gradient accumulation mid-epoch, steps are counted
-from the switch; in an elastic job, a process lost during a micro-batch is recovered from (see `recovery`)."""
+"""Lightning's fit loop kept in step with layout switches, the one place that touches the loop's internals: a
+requested switch runs right after the micro-batch that closed an optimizer step; after a switch changes the gradient
+accumulation mid-epoch, steps are counted from the switch; in an elastic job, a process lost during a micro-batch is
+recovered from; after the data split changes, the epoch's length is set wherever Lightning measured it.
+
+Lightning has no public hook for any of these: none to run code between two micro-batches after every
+``on_train_batch_end`` (a callback's is not last), to say when an accumulation closes (it is ``batch_idx %
+accumulate_grad_batches`` inside the loop), to retry a micro-batch after a collective failed, or to re-measure an
+epoch mid-way. What is touched, and the Lightning versions this runs with, is in docs/lightning.md.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 
 from dynatrain.engine.verify import SwitchVerificationError
-from dynatrain.strategies.recovery import WorldChangeError, is_peer_loss, recover
+from dynatrain.switch.recovery import WorldChangeError, is_peer_loss
 
-if TYPE_CHECKING:
-    from dynatrain.strategies.switcher import Switcher
+
+class Switcher(Protocol):
+    """What the loop needs of the strategy's switcher."""
+
+    strategy: Any
+    pending: Any
+    accumulation_offset: int
+
+    @property
+    def trainer(self) -> pl.Trainer | None: ...
+
+    @property
+    def released(self) -> bool: ...
+
+    def run_pending(self) -> Any: ...
+
+    def recover(self, error: BaseException) -> Any: ...
+
+    def on_train_start(self) -> None: ...
 
 
 class BoundaryHook(pl.Callback):
     """Keeps the switcher in step with Lightning's epochs and start; a requested switch runs right after the
     micro-batch that closed an optimizer step (see `_wrap_advance`)."""
 
-    def __init__(self, switcher: "Switcher") -> None:
+    def __init__(self, switcher: Switcher) -> None:
         self.switcher = switcher
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -44,8 +68,7 @@ class BoundaryHook(pl.Callback):
         self.switcher.strategy.data_split.load_state_dict(state_dict)
 
 
-def attach(switcher: "Switcher", trainer: pl.Trainer) -> None:
-    switcher.trainer = trainer
+def attach(switcher: Switcher, trainer: pl.Trainer) -> None:
     if not any(isinstance(cb, BoundaryHook) for cb in trainer.callbacks):
         trainer.callbacks.append(BoundaryHook(switcher))
     loop = trainer.fit_loop.epoch_loop
@@ -75,7 +98,7 @@ def attach(switcher: "Switcher", trainer: pl.Trainer) -> None:
     _wrap_advance(switcher, loop)
 
 
-def _wrap_advance(switcher: "Switcher", loop) -> None:
+def _wrap_advance(switcher: Switcher, loop) -> None:
     """Around each micro-batch: a pending switch runs once the micro-batch that closed a step is done; in an
     elastic job, a process lost during a micro-batch is recovered from (see `recovery`), the micro-batch then
     counts as consumed and its step runs again under the survivors' layout."""
@@ -98,7 +121,7 @@ def _wrap_advance(switcher: "Switcher", loop) -> None:
         # Outside the handler, without the traceback: its frames hold the step's tensors, which hold the
         # broken groups open.
         error.__traceback__ = None
-        recover(switcher, error)
+        switcher.recover(error)
         progress = loop.batch_progress
         for step in ("started", "processed", "completed"):
             while getattr(progress.current, step) < progress.current.ready:
@@ -114,7 +137,7 @@ def _wrap_advance(switcher: "Switcher", loop) -> None:
     loop.advance, loop.on_advance_end = guarded_advance, guarded_advance_end
 
 
-def _recoverable(switcher: "Switcher", error: BaseException) -> bool:
+def _recoverable(switcher: Switcher, error: BaseException) -> bool:
     strategy = switcher.strategy
     if strategy.elastic is None or not strategy.elastic.config.recover or strategy.detached:
         return False
@@ -123,7 +146,7 @@ def _recoverable(switcher: "Switcher", error: BaseException) -> bool:
     return not switcher.released  # a switch that began moving state cannot be undone
 
 
-def at_boundary(switcher: "Switcher") -> bool:
+def at_boundary(switcher: Switcher) -> bool:
     """True between two optimizer steps (or outside training)."""
     trainer = switcher.trainer
     if trainer is None or not trainer.training:
@@ -131,3 +154,48 @@ def at_boundary(switcher: "Switcher") -> bool:
     loop = trainer.fit_loop.epoch_loop
     done = loop.batch_progress.current.ready - switcher.accumulation_offset
     return done % trainer.accumulate_grad_batches == 0
+
+
+# ---- the epoch's data, as the loop measured it ----------------------------------------------------------------
+def micro_batches_done(trainer: pl.Trainer) -> int:
+    """Micro-batches this epoch has read."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def stage_loaders(trainer: pl.Trainer, training: bool) -> list:
+    """The loaders Lightning iterates in the training (or validation) stage now; [] before it loaded them."""
+    loop = trainer.fit_loop if training else trainer.fit_loop.epoch_loop.val_loop
+    combined = loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def set_epoch_length(trainer: pl.Trainer, lengths: list[int]) -> None:
+    """Micro-batches of each training loader in the running epoch, wherever Lightning measured them: the loop's
+    bound, the combined loader's limits (also those its running iterator began with) and the fetcher's length."""
+    fit = trainer.fit_loop
+    combined = fit._combined_loader
+    if len(lengths) == len(combined.flattened):
+        combined.limits = lengths
+        if combined._iterator is not None:
+            combined._iterator.limits = lengths
+    fit.max_batches = max(lengths)
+    if fit._data_fetcher is not None and fit._data_fetcher.length is not None:
+        fit._data_fetcher.length = fit.max_batches
+
+
+def set_val_lengths(trainer: pl.Trainer, lengths: list[int]) -> None:
+    """Batches of each validation loader, when Lightning has loaded as many."""
+    val = trainer.fit_loop.epoch_loop.val_loop
+    if val._combined_loader is not None and len(val._max_batches) == len(lengths):
+        val._max_batches = list(lengths)
+
+
+def restart_fetcher(trainer: pl.Trainer) -> None:
+    """Start the training loaders' iterator again (their workers read ahead under the old split), keeping the
+    count of what was fetched."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return
+    fetched = fetcher.fetched
+    iter(fetcher)
+    fetcher.fetched = fetched

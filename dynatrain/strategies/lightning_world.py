@@ -1,7 +1,7 @@
 """What a world change does to Lightning: ranks, devices, rank-zero duties, loggers, and a process that left.
 
-The bytes move in `world_switch` (current members) and `joiner` (a new process); both run the same plan, built
-from the same inputs. Lightning is told about the new world here: the cluster environment reports the process's
+The bytes move in the switch driver (`dynatrain.switch`), which calls these through the strategy's context.
+Lightning is told about the new world here: the cluster environment reports the process's
 new rank and world size, `rank_zero_only` follows it, the progress bar moves to the new rank 0, and every logger
 keeps the run's version so the new rank 0 writes into the same run directory.
 """
@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:
-    from dynatrain.strategies.dynatrain import DynaTrainStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy as DynaTrainStrategy  # with forget_meshes
 
 
 class ElasticEnvironment(LightningEnvironment):
@@ -69,7 +69,8 @@ def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None
     env.set_global_rank(rank)
     strategy.parallel_devices = [strategy.root_device] * world_size
     rank_zero_only.rank = fabric_rank_zero_only.rank = rank
-    trainer = strategy._lightning_module.trainer if strategy._lightning_module is not None else None
+    module = strategy.lightning_module
+    trainer = module._trainer if module is not None else None
     bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
     if bar is not None:
         bar.enable() if rank == 0 else bar.disable()
@@ -122,8 +123,7 @@ def detach(strategy: "DynaTrainStrategy", trainer: pl.Trainer | None) -> None:
     """A process that left: no model, no group; Lightning winds its loop down without collectives."""
     strategy.detached = True
     strategy.elastic.stop_heartbeat()
-    strategy._meshes.clear()
-    strategy._device_mesh = None
+    strategy.forget_meshes()
     if trainer is not None:
         trainer.should_stop = True
     rank_zero_only.rank = fabric_rank_zero_only.rank = -1  # this process logs nothing more

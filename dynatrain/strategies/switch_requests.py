@@ -11,24 +11,42 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dynatrain.elastic.store import connect as connect_store
 from dynatrain.engine.verify import SwitchVerificationError
-from dynatrain.strategies.capture import Captured, check_switchable
 from dynatrain.strategies.pipeline import check_pipeline_module
-from dynatrain.strategies.prepare import MemberPrep, free_working_bytes
-from dynatrain.strategies.recovery import WorldChangeError
-from dynatrain.strategies.report import SwitchReport
-from dynatrain.strategies.same_world import InWorldPrep, in_world_inputs, switch_in_world
-from dynatrain.strategies.states import capture_states
-from dynatrain.strategies.world_switch import WorldSwitch, change_inputs
+from dynatrain.switch import driver
+from dynatrain.switch.capture import Captured, check_switchable
+from dynatrain.switch.in_world import InWorldPrep, in_world_inputs
+from dynatrain.switch.moves import WorldChange, change_inputs
+from dynatrain.switch.prepare import MemberPrep, free_working_bytes
+from dynatrain.switch.recovery import WorldChangeError
+from dynatrain.switch.report import SwitchReport
+from dynatrain.switch.states import capture_states
 from dynatrain.vps.parallel_config import ParallelConfig
 
-if TYPE_CHECKING:
-    from dynatrain.strategies.switcher import Switcher
+
+class Switching(Protocol):
+    """What requests need of the strategy's `Switcher`."""
+
+    strategy: Any
+    ctx: Any
+    targets: Any
+    pending: "Pending | None"
+    prepared: Any
+
+    @property
+    def trainer(self) -> Any: ...
+
+    @property
+    def released(self) -> bool: ...
+
+    def switch(self, target, *, rank_map=None, budget_mb=None, prepared=None) -> SwitchReport: ...
+
+    def require_boundary(self) -> None: ...
 
 
 @dataclass
@@ -41,7 +59,7 @@ class Pending:
     requested_step: int | None = None  # the trainer's global step at the request, while it trains
 
 
-def check_target(switcher: "Switcher", target: str | ParallelConfig, world_size: int | None = None
+def check_target(switcher: Switching, target: str | ParallelConfig, world_size: int | None = None
                  ) -> ParallelConfig:
     """Parse and validate a target against the devices, the model and the global batch."""
     strategy = switcher.strategy
@@ -77,7 +95,7 @@ def _dp_ranks_kept(strategy, target: ParallelConfig, world_size: int) -> bool:
     return all(current.dp_rank_of(positions.index(q)) == target.dp_rank_of(q) for q in range(world_size))
 
 
-def check_world(switcher: "Switcher", target: ParallelConfig, leave: tuple[int, ...]) -> None:
+def check_world(switcher: Switching, target: ParallelConfig, leave: tuple[int, ...]) -> None:
     """A world change needs the elastic manager, known leavers and room under max_devices."""
     strategy = switcher.strategy
     world = strategy.world_size
@@ -97,19 +115,19 @@ def check_world(switcher: "Switcher", target: ParallelConfig, leave: tuple[int, 
         raise ValueError(f"{target.short()} needs {target.world_size} processes, above elastic max_devices={cap}")
 
 
-def _check_module(switcher: "Switcher", target: ParallelConfig, probe: bool = False) -> Captured | None:
+def _check_module(switcher: Switching, target: ParallelConfig, probe: bool = False) -> Captured | None:
     """Refuse now what the switch could not carry: the module's states, and its parallelisation for ``target``
     (run on meta; the result is kept for the switch). Returns the states it captured (None before set-up)."""
     strategy = switcher.strategy
     if getattr(strategy, "lightning_module", None) is None:
         return None  # nothing set up yet: the module is checked when the switch runs
     check_switchable(strategy.lightning_module, strategy.optimizers)
-    captured = capture_states(switcher, strategy.lightning_module, switcher.optimizer())
+    captured = capture_states(switcher.ctx, strategy.lightning_module, switcher.ctx.optimizer())
     switcher.targets.check(target, captured, probe=probe)
     return captured
 
 
-def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: bool = False,
+def request(switcher: Switching, target: str | ParallelConfig, leave=(), wait: bool = False,
             plan_ahead: bool = False) -> ParallelConfig:
     leave = tuple(sorted({int(r) for r in leave}))
     parsed = ParallelConfig.parse(target)
@@ -129,12 +147,12 @@ def request(switcher: "Switcher", target: str | ParallelConfig, leave=(), wait: 
     return target
 
 
-def _due(switcher: "Switcher", p: Pending) -> bool:
+def _due(switcher: Switching, p: Pending) -> bool:
     """Whether a request may run at this boundary: one planned ahead only once an optimizer step ended after it."""
     return not p.plan_ahead or p.requested_step is None or switcher.trainer.global_step > p.requested_step
 
 
-def run_pending(switcher: "Switcher") -> SwitchReport | None:
+def run_pending(switcher: Switching) -> SwitchReport | None:
     """Run the pending request if it can run now; a scale-out waits (across boundaries) for its joiners."""
     p = switcher.pending
     if p is None:
@@ -148,7 +166,7 @@ def run_pending(switcher: "Switcher") -> SwitchReport | None:
         switcher.pending = None
         prepared, switcher.prepared = switcher.prepared, None
         with _refusable(switcher, p):
-            return switch_in_world(switcher, p.target, prepared=prepared)
+            return switcher.switch(p.target, prepared=prepared)
         return None
     change = f"world change {strategy.parallel_config.short()} -> {p.target.short()}"
     try:
@@ -170,7 +188,10 @@ def run_pending(switcher: "Switcher") -> SwitchReport | None:
                    f"{shrink} process(es) chosen by the planner" if shrink > 0 else "none")
         rank_zero_info(f"{change}: leaving {leaving}; admitting joiners {joiners or 'none'}")
         with _refusable(switcher, p):
-            return WorldSwitch(switcher, p.target, p.leave, joiners).run()
+            switcher.require_boundary()
+            move = WorldChange(p.target, p.leave, joiners, switcher.targets, switcher.prepared)
+            switcher.prepared = None
+            return driver.run(switcher.ctx, move)
         return None
     except (RuntimeError, TimeoutError) as e:
         if isinstance(e, SwitchVerificationError):
@@ -184,7 +205,7 @@ def run_pending(switcher: "Switcher") -> SwitchReport | None:
 
 
 @contextmanager
-def _refusable(switcher: "Switcher", p: Pending):
+def _refusable(switcher: Switching, p: Pending):
     """A request that fails to plan (every rank computes the same plan, so all fail alike) before any state
     moved is refused with a warning; training goes on on the current layout."""
     try:
@@ -196,7 +217,7 @@ def _refusable(switcher: "Switcher", p: Pending):
                        f"{switcher.strategy.parallel_config.short()}: {e}")
 
 
-def _agree_on_joiners(switcher: "Switcher", p: Pending):
+def _agree_on_joiners(switcher: Switching, p: Pending):
     """Rank 0 reads the ready joiners from the store; every rank gets its decision (one broadcast)."""
     strategy = switcher.strategy
     need = p.target.world_size - (strategy.world_size - len(p.leave))
@@ -224,7 +245,7 @@ def _agree_on_joiners(switcher: "Switcher", p: Pending):
     return decision
 
 
-def _intent_store(switcher: "Switcher"):
+def _intent_store(switcher: Switching):
     """On rank 0, how the plan's thread connects to the store (a connection serves one thread); None elsewhere."""
     strategy = switcher.strategy
     if strategy.global_rank != 0:
@@ -233,17 +254,22 @@ def _intent_store(switcher: "Switcher"):
     return lambda: connect_store(manager.endpoint, manager.token, timeout=manager.config.timeout)
 
 
-def _prepare(switcher: "Switcher", p: Pending, captured: Captured | None = None) -> None:
+def _prepare(switcher: Switching, p: Pending, captured: Captured | None = None) -> None:
     """While a scale-out waits for its joiners, or a switch planned ahead trains on: plan it in the background, for
     whichever joiners come (see `prepare`). Only a change with joiners publishes its intent for them. ``captured``:
     this rank's states as the request just captured them, if it did."""
     strategy = switcher.strategy
     if p.target.world_size == strategy.world_size and not p.leave:
-        inputs = in_world_inputs(switcher, p.target, captured, built=switcher.targets.has_build(p.target))
+        if captured is None:
+            captured = capture_states(switcher.ctx, strategy.lightning_module, switcher.ctx.optimizer())
+        inputs = in_world_inputs(switcher.ctx, switcher.targets, p.target, captured, strategy.switch_reports,
+                                 built=switcher.targets.has_build(p.target))
         if switcher.prepared is None or switcher.prepared.inputs != inputs:
             switcher.prepared = InWorldPrep(inputs)
         return
-    inputs = change_inputs(switcher, p.target, p.leave, None, captured)
+    if captured is None:
+        captured = capture_states(switcher.ctx, strategy.lightning_module, switcher.ctx.optimizer())
+    inputs = change_inputs(switcher.ctx, switcher.targets, p.target, p.leave, None, captured)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
         if not inputs.joiners:
             switcher.prepared = MemberPrep(inputs)

@@ -32,7 +32,7 @@ if __name__ == "__main__" and "dynatrain" not in sys.modules:
 from dynatrain.models.specs import layout_for_model
 from dynatrain.models.configs import ModelConfig, get_model_config
 from dynatrain.models.parallelize import build_parallel_model, init_mesh
-from dynatrain.strategies.capture import BUFFER, capture
+from dynatrain.switch.capture import BUFFER, capture
 from dynatrain.vps import Layout, ParallelConfig
 
 # Uneven on purpose: vocab 10 and ffn 6 do not split evenly, and ffn 6 over dp_shard=4 leaves an empty shard.

@@ -32,7 +32,7 @@ from dynatrain.engine import torch_dtype
 from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
-from dynatrain.strategies.join_payload import decode_specs, encode_specs
+from dynatrain.switch.payload import decode_specs, encode_specs
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.placement import Sharding
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -330,10 +330,11 @@ class JoinerPrep:
             return None
         return ahead
 
-    def plan_for(self, payload: dict) -> tuple[SwitchPlan, Layout] | None:
-        """The prepared plan when the switch's inputs are the intent's; None otherwise (or if it failed)."""
+    def plan_for(self, intent: dict) -> tuple[SwitchPlan, Layout] | None:
+        """The prepared plan when the switch's inputs (its payload's intent) are the prepared intent's; None
+        otherwise (or if it failed)."""
         prepared = self.prepared
-        if prepared is None or {k: payload[k] for k in PLAN_FIELDS} != prepared.key:
+        if prepared is None or {k: intent[k] for k in PLAN_FIELDS} != prepared.key:
             return None
         try:
             return prepared.result()

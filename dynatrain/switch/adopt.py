@@ -4,18 +4,15 @@ takes the live module's place; the optimizer, schedules and data then follow the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dynatrain.strategies.capture import BUFFER, local_tensor
-from dynatrain.strategies.target import transplant
-from dynatrain.vps.parallel_config import ParallelConfig
-
-if TYPE_CHECKING:
-    from dynatrain.strategies.switcher import Switcher
+from dynatrain.switch.capture import BUFFER, local_tensor
+from dynatrain.switch.context import SwitchContext
+from dynatrain.switch.states import Kept
+from dynatrain.switch.target import transplant
 
 
 def fill_target(target: nn.Module, dst: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -56,13 +53,16 @@ def _adopted_parameter(name: str, p: nn.Parameter, new: torch.Tensor, device: to
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: dict[str, torch.Tensor],
-                      param_of: Mapping[str, tuple[str, str | None]], scalars: Mapping[str, dict],
-                      order: Mapping[str, list[str]]) -> None:
-    """Give each parameter its moved optimizer tensors (DTensors placed like it) and kept scalars, each parameter's
-    entries in the order the optimizer had created them."""
+                      kept: Kept) -> None:
+    """The optimizer's hyper-parameters as they were; each parameter's moved optimizer tensors (DTensors placed
+    like it) and kept scalars, its entries in the order the optimizer had created them."""
+    if len(optimizer.param_groups) != len(kept.groups):
+        raise RuntimeError("configure_optimizers() returned different parameter groups after the switch")
+    for group, old in zip(optimizer.param_groups, kept.groups):
+        group.update(old)
     params = dict(module.named_parameters())
     entries: dict[str, dict] = {}
-    for state_name, (pname, key) in param_of.items():
+    for state_name, (pname, key) in kept.param_of.items():
         if key is None or key == BUFFER:
             continue
         if pname not in params:  # another pipeline stage's parameter
@@ -73,52 +73,29 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module, dst: 
             local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                        stride=p.stride())
         entries.setdefault(pname, {})[key] = local
-    for pname, kept in scalars.items():
+    for pname, scalars in kept.scalars.items():
         if pname in params:
-            entries.setdefault(pname, {}).update(kept)
+            entries.setdefault(pname, {}).update(scalars)
     for pname, state in entries.items():
-        optimizer.state[params[pname]] = {k: state[k] for k in order.get(pname, state) if k in state}
+        optimizer.state[params[pname]] = {k: state[k] for k in kept.order.get(pname, state) if k in state}
 
 
-def adopt_module(switcher: "Switcher", target_module, names, mesh, target: ParallelConfig, positions, dst,
-                 kept) -> None:
-    """The target copy filled with the moved states and put in place of the live module's children; the
-    optimizer, schedules and data then follow the new layout."""
-    strategy = switcher.strategy
-    module = strategy.lightning_module
-    fill_target(target_module, dst, strategy.root_device)
-    transplant(module, target_module, names)
-    strategy._device_mesh = module._device_mesh = mesh
-    strategy.parallel_config, strategy.positions = target, list(positions)
-    _rebuild_optimizer(switcher, module, dst, kept)
-    strategy.build_pipeline()
-    move_data(switcher, target)
-    switcher.released = False
+def adopt_module(ctx: SwitchContext, module: nn.Module, target: nn.Module | None, names: list[str], mesh,
+                 layout, positions: list[int], dst: dict[str, torch.Tensor]) -> None:
+    """``target`` (None: ``module`` itself was parallelised for the layout) filled with the moved states and put in
+    place of the live module's children ``names``; the strategy runs on ``mesh`` as ``layout`` from here."""
+    fill_target(target if target is not None else module, dst, ctx.device)
+    if target is not None:
+        transplant(module, target, names)
+    ctx.install(mesh, layout, positions)
 
 
-def _rebuild_optimizer(switcher: "Switcher", module, dst, kept) -> None:
-    """`configure_optimizers()` again, then the moved tensors, kept scalars, hyper-parameters and schedules."""
-    strategy = switcher.strategy
-    if switcher.trainer is None:
-        return
-    strategy.setup_optimizers(switcher.trainer)
-    if not strategy.optimizers:
-        return
-    optimizer = strategy.optimizers[0]
-    if len(optimizer.param_groups) != len(kept["groups"]):
-        raise RuntimeError("configure_optimizers() returned different parameter groups after the switch")
-    for group, old in zip(optimizer.param_groups, kept["groups"]):
-        group.update(old)
-    restore_optimizer(optimizer, module, dst, kept["param_of"], kept["scalars"], kept["order"])
-    for cfg, state in zip(strategy.lr_scheduler_configs, kept["schedulers"]):
-        cfg.scheduler.load_state_dict(state)
-
-
-def move_data(switcher: "Switcher", target: ParallelConfig) -> None:
-    """Every dataloader on the new data-parallel rank, with the gradient accumulation that keeps the global batch
-    (`DataSplit`); Lightning's loop counts the accumulation from here."""
-    trainer = switcher.trainer
-    if trainer is None:
-        return
-    switcher.strategy.data_split.apply(trainer, target.dp_size, switcher.strategy.dp_rank)
-    switcher.accumulation_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+def adopt_optimizer(ctx: SwitchContext, module: nn.Module, optimizer, dst: dict[str, torch.Tensor], kept: Kept,
+                    schedulers: bool = True) -> None:
+    """The new optimizer (None outside fit) with the moved and kept state; ``schedulers``: and the LR schedulers'
+    states, which a joining process gets with the loop state instead."""
+    if optimizer is not None:
+        restore_optimizer(optimizer, module, dst, kept)
+        if schedulers:
+            ctx.load_scheduler_states(kept.schedulers)
+    ctx.released = False

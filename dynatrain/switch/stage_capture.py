@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dynatrain.strategies.capture import Captured
+from dynatrain.switch.capture import Captured
 
 
 def _cpu(entries: dict) -> dict:

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from dynatrain.models.pipeline import pipeline_stages
-from dynatrain.strategies.capture import target_shardings
-from dynatrain.strategies.probe import probe_mesh
+from dynatrain.switch.capture import target_shardings
+from dynatrain.switch.context import SwitchContext
+from dynatrain.switch.probe import probe_mesh
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -110,8 +111,8 @@ class TargetLayouts:
     """Per target layout, every parameter's sharding there (from the module's parallelisation run on meta, once per
     layout), and the build made when a switch was requested, kept for the switch to reuse."""
 
-    def __init__(self, strategy) -> None:
-        self.strategy = strategy
+    def __init__(self, ctx: SwitchContext) -> None:
+        self.ctx = ctx
         self._shardings: dict[ParallelConfig, dict] = {}  # per target layout: parameter -> Sharding
         self._probes: dict = {}  # target layout -> its meta build on the default rank order, made at request time
         self.build_seconds: dict[ParallelConfig, float] = {}  # the last build of each layout on its real mesh
@@ -133,7 +134,6 @@ class TargetLayouts:
         layout). Within the world it runs on the target's real mesh in the default rank order, and that build is
         returned for reuse when the plan keeps the order; for another world size (``probe``) on a mesh of fake
         groups (`probe`)."""
-        strategy = self.strategy
         shardings = self._shardings.get(target)
         built = self._probes.pop(target, None) if shardings is not None and not probe else None
         if shardings is None:
@@ -146,7 +146,7 @@ class TargetLayouts:
                     built = None
                 else:
                     start = time.perf_counter()
-                    mesh = strategy._build_mesh(target)
+                    mesh = self.ctx.build_mesh(target)
                     built = self._build(mesh, target)
                     self.build_seconds[target] = time.perf_counter() - start
                     per_param = target_shardings([(built, mesh)], captured)
@@ -164,7 +164,7 @@ class TargetLayouts:
     def _probe_build(self, probes: ExitStack, target: ParallelConfig, stage: int):
         """(the module parallelised for ``target`` as pipeline stage ``stage`` sees it, its probe mesh); the probe's
         groups stay registered until ``probes`` closes."""
-        mesh = probes.enter_context(probe_mesh(target, self.strategy.root_device.type, stage))
+        mesh = probes.enter_context(probe_mesh(target, self.ctx.device.type, stage))
         build = self._build(mesh, target)
         if target.pp > 1 and pipeline_stages(build) is None:
             raise ValueError(f"{target.short()} asks for pipeline stages, but the module's parallelisation split no "
@@ -173,7 +173,7 @@ class TargetLayouts:
 
     def _build(self, mesh, target: ParallelConfig):
         try:
-            return self.strategy.build_target(mesh, target)
+            return self.ctx.build_target(mesh, target)
         except Exception as e:
             raise _BuildFailed() from e
 

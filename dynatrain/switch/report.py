@@ -1,0 +1,76 @@
+"""What one layout switch reports (its phases, bytes and memory, as every rank saw them), and what a recovery from a
+lost process reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SwitchReport:
+    """One layout switch, as every rank saw it (bytes and peak are this rank's unless named total)."""
+
+    step: int
+    old_layout: str
+    new_layout: str
+    world_size: int  # processes in the new world (0 on a process that left)
+    bytes_total: int
+    bytes_moved: int
+    bytes_moved_identity: int | None
+    rounds: int
+    rank_map: list[int]
+    peak_bytes: int
+    peak_bound: int
+    verified: bool | None  # checked against the tensors' own placements (`switch.verify`); None: not checked
+    phases: dict[str, float] = field(default_factory=dict)
+    old_world_size: int | None = None
+    prepared: bool = False  # planned in the background while training went on (a scale-out, or plan_ahead)
+    # torch.compile of the target's blocks, None when off: compiled at the first step on the new layout (it needs the
+    # moved weights), outside the stall; filled in as that step runs.
+    compile_s: float | None = None
+    # The freed heap was given back to the OS after the switch (`memory.release_freed_memory`): the next step maps
+    # its working memory again.
+    heap_trimmed: bool = False
+
+    @property
+    def verify_share(self) -> float | None:
+        """The check's share of the stall."""
+        return self.phases["verify"] / self.stall_s if "verify" in self.phases and self.stall_s else None
+
+    @property
+    def stall_s(self) -> float:
+        return sum(self.phases.values())
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["stall_s"] = self.stall_s
+        d["verify_share"] = self.verify_share
+        return d
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._t
+        self._t = now
+
+
+@dataclass
+class RecoveryReport:
+    step: int
+    lost: list[str]
+    survivors: int
+    old_layout: str
+    new_layout: str
+    bytes_moved: int
+    seconds: float
+    cause: str
+    phases: dict
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)

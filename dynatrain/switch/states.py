@@ -1,0 +1,103 @@
+"""A switch's states on this process: captured from the live module and optimizer (and agreed across ranks), what
+survives besides the routed shards (`Kept`), and the release of the old shards to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dynatrain.switch.capture import Captured, capture, check_switchable
+from dynatrain.switch.context import SwitchContext
+from dynatrain.switch.recovery import reshard
+from dynatrain.switch.stage_capture import merge_stages
+from dynatrain.switch.target import release_children
+
+
+@dataclass
+class Kept:
+    """What a switch carries besides the routed shards; the same on every rank of a data-parallel group.
+
+    ``param_of``: state -> (owner, optimizer key; None for the weight, `BUFFER` for a buffer); ``scalars``: per
+    parameter, its optimizer entries that are not routed (``step``); ``order``: per parameter, its optimizer entries'
+    keys in the order the optimizer created them; ``groups``: the optimizer's hyper-parameters per group;
+    ``schedulers``: each LR scheduler's state."""
+
+    param_of: dict[str, tuple[str, str | None]]
+    scalars: dict[str, dict]
+    order: dict[str, list[str]]
+    groups: list[dict] = field(default_factory=list)
+    schedulers: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Held:
+    """This process's side of a switch before anything moves: the live module and optimizer, their states."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    captured: Captured
+    kept: Kept
+
+
+def capture_states(ctx: SwitchContext, module: nn.Module, optimizer) -> Captured:
+    """This rank's states; under pp with every stage's specs and kept entries beside them (`merge_stages`)."""
+    captured = capture(module, optimizer, ctx.mesh)
+    if ctx.layout is None or ctx.layout.pp == 1:
+        return captured
+    return merge_stages(captured, entry_order(module, optimizer))
+
+
+def hold(ctx: SwitchContext, agree: bool = True) -> Held:
+    """The live states, checked switchable and, with ``agree``, equal on every rank (one all-reduce of their
+    fingerprint before anything moves); without it (a recovery, whose world is broken) as they are, once FSDP's
+    sharded parameters are back where a fault mid-step may have left the unsharded ones."""
+    module, optimizer = ctx.module, ctx.optimizer()
+    if not agree:
+        reshard(module)
+    else:
+        check_switchable(module, ctx.optimizers())
+    captured = capture_states(ctx, module, optimizer)
+    if agree and ctx.world_size > 1:
+        _agree_on(ctx, captured)
+    return Held(module, optimizer, captured, keep(ctx, captured, module, optimizer))
+
+
+def _agree_on(ctx: SwitchContext, captured: Captured) -> None:
+    mark = captured.fingerprint()
+    t = torch.tensor([mark, -mark], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) != mark or int(t[1]) != -mark:
+        raise ValueError("the ranks hold different sets of states (names, shapes, dtypes or placements): a "
+                         "module or optimizer that differs between ranks cannot be switched")
+
+
+def entry_order(module: nn.Module, optimizer) -> dict[str, list[str]]:
+    """Per parameter name, its optimizer entries' keys in the order the optimizer created them."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {names[id(p)]: list(st) for p, st in optimizer.state.items()} if optimizer is not None else {}
+
+
+def keep(ctx: SwitchContext, captured: Captured, module: nn.Module, optimizer) -> Kept:
+    return Kept(
+        param_of=captured.param_of, scalars=captured.scalars,
+        order=captured.order if captured.order is not None else entry_order(module, optimizer),
+        groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else [],
+        schedulers=ctx.scheduler_states(),
+    )
+
+
+def release(ctx: SwitchContext, held: Held) -> list[str]:
+    """Drop every reference to the old shards but the engine's, so it can free each after its last send; returns
+    the names of the module's children the target replaces."""
+    optimizer = held.optimizer
+    if optimizer is not None:
+        optimizer.state.clear()
+        for g in optimizer.param_groups:
+            g["params"] = []
+    held.optimizer = None
+    ctx.drop_optimizers()
+    ctx.released = True
+    return release_children(held.module)

@@ -1,0 +1,67 @@
+"""One rank of a run that switches once, optionally through a test double of the engine that writes where its plan
+says, the plan having been made from a wrong rank map (new positions 0 and 1 swapped): what the switch's check
+must catch, since the moved bytes are self-consistent with that plan. Writes the check's outcome."""
+
+import argparse
+import os
+import warnings
+
+import lightning.pytorch as pl
+
+import dynatrain
+from dynatrain import engine
+from dynatrain.data import LlamaDataModule
+from dynatrain.engine.verify import SwitchVerificationError
+from dynatrain.launcher import finish_rank
+from dynatrain.llama_lm import LlamaLM
+from dynatrain.planner.schedule import plan_switch
+
+warnings.filterwarnings("ignore")
+real_transition = engine.run_transition
+
+
+def swapped_transition(plan, rank, src, **kwargs):
+    """The engine run on a plan whose new rank map swaps the processes at positions 0 and 1."""
+    order = list(plan.new.rank_map)
+    order[0], order[1] = order[1], order[0]
+    wrong = plan_switch(plan.old, plan.new, rank_map=order)
+    return real_transition(wrong, rank, src, **kwargs)
+
+
+class SwitchOnce(pl.Callback):
+    def __init__(self, target: str) -> None:
+        self.target, self.outcome = target, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        strategy = trainer.strategy
+        if self.outcome is None and trainer.global_step == 1 and strategy.at_step_boundary():
+            try:
+                report = strategy.switch(self.target)
+                self.outcome = {"verified": report.verified, "phases": report.phases}
+            except SwitchVerificationError as e:
+                self.outcome = {"error": str(e)}
+                trainer.should_stop = True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--wrong", action="store_true")
+    args = ap.parse_args()
+    if args.wrong:
+        engine.run_transition = swapped_transition
+    pl.seed_everything(1234, verbose=False)
+    strategy = dynatrain.DynaTrainStrategy(parallel="dp_shard=2,tp=2", rank_map="identity")
+    script = SwitchOnce("dp_shard=4")
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=[script])
+    module = LlamaLM(model="debug", model_overrides={"n_layers": 1}, lr=1e-3, warmup_steps=2)
+    data = LlamaDataModule(seq_len=32, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=200_000)
+    trainer.fit(module, datamodule=data)
+    finish_rank(args.out, {"outcome": script.outcome, "verify_default": strategy.verify_switches})
+
+
+if __name__ == "__main__":
+    main()
