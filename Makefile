@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.dynatrain-setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-lightning-min bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,25 @@ TEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
+
+# The lowest Lightning release dynatrain supports: pyproject.toml's lower bound, which tests/test_lightning_support.py
+# checks this equals. `make test` runs everything on the newest Lightning pyproject.toml admits; this runs the tests
+# that lean most on Lightning's loops (step accounting through switches, the data split's batch limits, resumes and
+# joiners from the loop state) on the lowest, in a venv of its own. The selfcheck tests (a DCP oracle through the same
+# switches, the slowest) are left to `make test`, to keep this within about 5 minutes on 2 cores from a fresh venv.
+LIGHTNING_MIN := 2.6.0
+
+.venv-lightning-min/.dynatrain-setup-$(LIGHTNING_MIN): pyproject.toml
+	@test -x .venv-lightning-min/bin/python || $(PYTHON) -m venv .venv-lightning-min
+	.venv-lightning-min/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	.venv-lightning-min/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' "lightning==$(LIGHTNING_MIN)"
+	@rm -f .venv-lightning-min/.dynatrain-setup-* && touch $@
+
+test-lightning-min: .venv-lightning-min/.dynatrain-setup-$(LIGHTNING_MIN)
+	.venv-lightning-min/bin/python -c "import lightning; assert lightning.__version__ == '$(LIGHTNING_MIN)', lightning.__version__"
+	.venv-lightning-min/bin/python -m pytest -q -n $(TEST_WORKERS) --durations=10 -k "not selfcheck" \
+	  tests/test_lightning_support.py tests/test_registration.py tests/test_training_mp.py tests/test_switch_mp.py \
+	  tests/test_data_split_mp.py
 
 bench: setup
 	$(PY) bench/all.py

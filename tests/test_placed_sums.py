@@ -5,6 +5,7 @@ Run as a script (by `test_same_state_in_other_layouts_and_mutations`) it is the 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -35,36 +36,187 @@ def added(*ranks: StateSums) -> StateSums:
 # One process.
 
 
-def test_element_hash_is_verify_s_box_checksum():
-    from dynatrain.engine.verify import _box_checksum
+M64 = (1 << 64) - 1
+DTYPES = [torch.bool, torch.int8, torch.uint8, torch.float8_e4m3fn, torch.int16, torch.float16, torch.bfloat16,
+          torch.int32, torch.float32, torch.int64, torch.float64, torch.complex64]
 
+
+def random_bits(shape, dtype, g) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random (0 or 1 for bool): every bit pattern, NaNs included."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (math.prod(shape) * size,), dtype=torch.uint8,
+                        generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def reference(full: torch.Tensor) -> int:
+    """The checksum of a whole tensor by its definition (the comment above `indexed_checksum`), unit by unit."""
+    from dynatrain.engine.placed_sums import _ROW, _wrap
+
+    def a(r):  # splitmix64, odd
+        z = (r + 0x9E3779B97F4A7C15) & M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        return (z ^ (z >> 31)) | 1
+
+    def b(c):  # 2 * g(c) + 1, g a bijection of 31 bits
+        m = (1 << 31) - 1
+        z = c ^ 0x2545F491
+        z = ((z ^ (z >> 16)) * 0x045D9F3B) & m
+        z = ((z ^ (z >> 15)) * 0x2C1B3C6D) & m
+        return (z ^ (z >> 16)) * 2 + 1
+
+    size = full.element_size()
+    unit = min(size, 4)
+    data = full.contiguous().reshape(-1).view(torch.uint8).tolist()
+    shape = list(full.shape) or [1]
+    shape[-1] *= size // unit
+    t, width = len(shape), 1
+    while t > 0 and width * shape[t - 1] <= _ROW:
+        t, width = t - 1, width * shape[t - 1]
+    if t == len(shape):
+        width = shape[-1]
+    per_row = -(-width // _ROW)
+    total = 0
+    for f in range(len(data) // unit):
+        digits = data[f * unit:(f + 1) * unit]
+        v = sum((d - 256 * (d >= 128)) << (8 * k) for k, d in enumerate(digits))  # signed base-256 digits
+        row, col = divmod(f, width)
+        total += a(row * per_row + col // _ROW) * b(col % _ROW) * v
+    return _wrap(total)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def both_ways(monkeypatch, local, indices, shape) -> int:
+    """`indexed_checksum` by int8 matrix products and elementwise: asserts they agree and leave ``local`` as it
+    was."""
+    from dynatrain.engine import placed_sums
+
+    kept = local.clone()
+    fast = indexed_checksum(local, indices, shape)
+    with monkeypatch.context() as m:
+        m.setitem(placed_sums._tables, "int_mm", False)
+        slow = indexed_checksum(local, indices, shape)
+    assert fast == slow, (tuple(shape), local.dtype)
+    assert torch.equal(raw(local), raw(kept))
+    return fast
+
+
+def test_checksum_is_its_definition_for_every_dtype_both_ways(monkeypatch):
+    from dynatrain.engine.placed_sums import _int_mm_exact
+
+    assert _int_mm_exact()  # this CPU's int8 matrix products are exact: the fast way is the one tested here
     g = torch.Generator().manual_seed(0)
-    cases = [((10, 6), (2, 1), (7, 5), torch.float32), ((5,), (0,), (5,), torch.bfloat16), ((), (), (), torch.float32),
-             ((3, 4, 5), (1, 0, 2), (3, 4, 5), torch.float64), ((4, 3), (0, 0), (4, 3), torch.bool),
-             ((300, 700), (10, 0), (300, 700), torch.float32), ((2, 70000), (0, 5), (2, 69000), torch.int8),
-             ((6, 7), (1, 2), (5, 7), torch.int64), ((), (), (), torch.int64),
-             ((300, 300), (0, 0), (300, 300), torch.int64)]
-    for shape, lo, hi, dtype in cases:
-        full = (torch.randn(shape, generator=g) * 10).to(dtype)
-        box = full[tuple(slice(a, b) for a, b in zip(lo, hi))]
-        ranges = [range(a, b) for a, b in zip(lo, hi)]
-        tensors = [torch.arange(a, b) for a, b in zip(lo, hi)]
-        expected = _box_checksum(box, lo, hi, shape)
-        kept = box.clone()
-        assert indexed_checksum(box, ranges, shape) == expected == indexed_checksum(box, tensors, shape), (shape, dtype)
-        assert torch.equal(box, kept)  # hashing left the tensor as it was (int64 bits are not copied by a view)
+    for dtype in DTYPES:
+        shapes = [(), (1,), (5,), (3, 4, 5), (7, 30), (4, 3, 3, 2)]
+        if dtype in (torch.int8, torch.bfloat16, torch.float32, torch.float64):  # a last dimension longer than
+            shapes.append((2, 9000) if dtype.itemsize == 8 else (2, 17000))  # a hash row, in every unit size
+        for shape in shapes:
+            full = random_bits(shape, dtype, g)
+            want = reference(full)
+            assert both_ways(monkeypatch, full, [range(n) for n in shape], shape) == want, (dtype, shape)
+            assert indexed_checksum(full, [torch.arange(n) for n in shape], shape) == want, (dtype, shape)
+    big = torch.randn(300, 700, generator=g)  # the matrix product on many rows, and a non-contiguous local
+    assert indexed_checksum(big, [range(300), range(700)], (300, 700)) == reference(big)
+    assert indexed_checksum(big.t(), [range(700), range(300)], (700, 300)) == reference(big.t().contiguous())
 
 
-def test_threads_split_the_chunks_without_changing_the_sum():
+def test_weights_are_odd_distinct_and_their_digits_exact():
+    from dynatrain.engine.placed_sums import _DIGITS, _ROW, _row_weight, _row_weights, _weights
+
+    b, digits, powers = _weights(4, torch.device("cpu"), True)
+    assert bool((b % 2 == 1).all()) and len(set(b.tolist())) == _ROW and 0 < int(b.min()) and int(b.max()) < 1 << 32
+    assert digits.dtype == torch.int8 and int(digits.min()) >= -64 and int(digits.max()) < 64
+    assert digits.shape == (4 * _ROW, _DIGITS)
+    assert torch.equal((digits.to(torch.int64) * powers).sum(1), (b[:, None] << (8 * torch.arange(4))).reshape(-1))
+    rows = torch.tensor([0, 1, 2, 12345, (1 << 40) + 3, (1 << 62) - 1])
+    assert _row_weights(rows).tolist() == [_row_weight(r) for r in rows.tolist()]
+    assert all(w % 2 for w in _row_weights(torch.arange(1000)).tolist())
+
+
+def cut(n: int, g: torch.Generator, how: str) -> list:
+    """Index lists that partition range(n): uneven contiguous ranges, random subsets, or strided runs."""
+    if how == "ranges":
+        ends = sorted({0, n, *torch.randint(1, max(2, n), (2,), generator=g).tolist()})
+        return [range(a, b) for a, b in zip(ends[:-1], ends[1:]) if b > a]
+    if how == "subsets":
+        owner = torch.randint(0, 3, (n,), generator=g)
+        return [torch.nonzero(owner == k).flatten() for k in range(3) if bool((owner == k).any())]
+    step = min(3, n)  # `_StridedShard`-like: every third index from each start
+    return [torch.arange(k, n, step) for k in range(step)]
+
+
+def test_any_partition_of_a_tensor_sums_to_the_whole(monkeypatch):
+    import itertools
+
+    g = torch.Generator().manual_seed(4)
+    cases = [((5, 6, 7), torch.float32), ((4, 3, 9000), torch.bfloat16), ((3, 2, 20000), torch.float32),
+             ((2, 3, 9000), torch.float64), ((50000,), torch.float32), ((6, 5, 4), torch.int8),
+             ((60, 17000), torch.float32)]  # rows enough for matrix products, cut into several hash rows
+    for shape, dtype in cases:
+        full = random_bits(shape, dtype, g)
+        whole = both_ways(monkeypatch, full, [range(n) for n in shape], shape)
+        for how in ("ranges", "subsets", "strided"):
+            total = 0
+            for parts in itertools.product(*[cut(n, g, how) for n in shape]):
+                local = full
+                for d, ix in enumerate(parts):
+                    local = local.index_select(d, torch.arange(ix.start, ix.stop) if isinstance(ix, range) else ix)
+                total += both_ways(monkeypatch, local, list(parts), shape)
+            assert (total - whole) % (1 << 64) == 0, (shape, dtype, how)
+
+
+def test_moved_and_flipped_values_change_the_sum():
+    g = torch.Generator().manual_seed(5)
+
+    def changed(full, other):
+        shape = tuple(full.shape)
+        ix = [range(n) for n in shape]
+        return indexed_checksum(full, ix, shape) != indexed_checksum(other, ix, shape)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int8):
+        full = (torch.randn(64, 300, generator=g) * 50).to(dtype)
+        full[3, 7], full[3, 8] = 1, -1  # a value and its negation: they differ in the sign bit alone
+        for a, b in [((3, 7), (3, 8)), ((0, 1), (0, 299)), ((0, 1), (40, 1)), ((5, 5), (6, 9))]:
+            other = full.clone()
+            other[a], other[b] = full[b], full[a]
+            assert not torch.equal(other, full) and changed(full, other), (dtype, a, b)
+        for r1, r2 in [(0, 1), (10, 63)]:  # two rows exchanged
+            other = full.clone()
+            other[[r1, r2]] = full[[r2, r1]]
+            assert changed(full, other), (dtype, r1, r2)
+        assert changed(full, full.roll(1, 1)) and changed(full, full.roll(1, 0))
+        for bit in range(8 * full.element_size()):  # every single bit of one element flipped
+            other = full.clone()
+            raw(other[2, 5:6])[bit // 8] ^= 1 << (bit % 8)
+            assert changed(full, other), (dtype, bit)
+    zero = torch.zeros(4, 10, dtype=torch.float64)
+    other = zero.clone()
+    other[1, 3] = -0.0
+    assert changed(zero, other)
+    moved = zero.clone()
+    moved[1, 4] = -0.0  # the same -0.0 one column on
+    assert changed(other, moved)
+    long = torch.randn(40000, generator=g)  # a vector of several hash rows: values moved across them
+    other = long.clone()
+    other[[5, 39000]] = long[[39000, 5]]
+    assert changed(long, other)
+
+
+def test_threads_split_the_tasks_without_changing_the_sum(monkeypatch):
     g = torch.Generator().manual_seed(3)
-    t = torch.randn(700, 1000, generator=g).to(torch.bfloat16)
-    ix = [range(100, 800), range(5, 1005)]
+    t = torch.randn(2200, 1000, generator=g)  # 8.8 MB: above the size hashed on one thread
+    ix = [range(100, 2300), range(5, 1005)]
     before = torch.get_num_threads()
     try:
         sums = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            sums.append(indexed_checksum(t, ix, (900, 1010)))
+            sums.append(both_ways(monkeypatch, t, ix, (2400, 1010)))
+            assert torch.get_num_threads() == threads  # given back after the hash held torch at one thread
     finally:
         torch.set_num_threads(before)
     assert sums[0] == sums[1] == sums[2]

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
+from dynatrain.lightning_support import check_lightning_version
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
 from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, materialize_model, parallelize_llama
@@ -120,6 +121,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         compile: bool | str = False,
         check_batches: bool = False,
     ) -> None:
+        check_lightning_version()  # the loop integration (`fit_loop`) relies on this range's internals
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
