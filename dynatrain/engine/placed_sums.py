@@ -10,8 +10,9 @@ here imports the layout, the planner or the strategies.
 
 Per state, every rank contributes (all int64, wrapping, so exact modulo 2**64):
 
-- ``sum``: the sum over its elements of ``h = (bits + MIX) * (2 * index + 1); h ^= h >> 29`` (`verify`'s hash,
-  bit for bit), or for a scalar or object the 64-bit hash of (name, canonical bytes of the value);
+- ``sum``: the sum over its elements of ``a(row) * b(column) * value`` (`indexed_checksum`: a separable hash of
+  the element's bits and global flat index), or for a scalar or object the 64-bit hash of (name, canonical bytes
+  of the value);
 - ``held``: the elements it holds (a scalar: 1 holder);
 - ``size``, ``knowers``: the state's element count, and 1, from every rank that has the state at all (a rank off
   a DTensor's mesh still knows its shape; one without it, another pipeline stage, does not);
@@ -24,13 +25,19 @@ Per state, every rank contributes (all int64, wrapping, so exact modulo 2**64):
 after: replication ``rep = held / size`` must be a positive integer (or nothing held of an empty state), the size
 the same, the scalars' holders in agreement, and ``old_sum * new_rep == new_sum * old_rep`` modulo 2**64.
 
-Cost, measured on this repository's CPU host (2 shared cores, load average 3 to 6 from other jobs): hashing is
-the whole cost, the all-reduce carries 6 int64 per state. 0.85 to 0.9 s per GiB of float32 state (1.66 s/GiB of
-bfloat16: the cost is per element, about 3.3 ns), on one thread and on two alike on that busy host; plus about
-0.07 to 0.09 ms of fixed cost per state (1000 small DTensors: 0.09 s). A switch sums each rank's share twice (before
-and after). For comparison `verify._box_checksum`, which materialises whole-tensor temporaries, took 8 s/GiB there.
-On a GPU the same ops run in 4 Mi-element chunks with one host transfer per call of `local_sums` (not measured:
-no GPU was lent). Measure with
+Cost, measured on this repository's CPU host (2 shared cores of a Xeon with AVX-512 VNNI and AMX, load average 3
+to 4 from other jobs): hashing is the whole cost, the all-reduce carries 6 int64 per state. 0.14 s per GiB of
+float32 state on one thread (0.08 on two), 0.14 s/GiB of bfloat16, 0.12 of float64: the bytes are read once, by
+int8 matrix products (`indexed_checksum`). The per-element hash this replaced (``h = (bits + MIX) * (2 * index +
+1); h ^= h >> 29``, `verify`'s, chunked; run from this file as of commit 85d9bc1, alternating with this one) took
+1.03 to 1.21 s/GiB of float32 (1.23 on two threads), 1.67 of bfloat16, 0.52 of float64. One of 4 ranks' row
+shards of a 125m-like model (12 layers of width 768, 50257 embeddings) with Adam's moments (366 states, 0.43 GiB):
+0.10 s, against 0.46 s. Fixed cost
+about 0.03 ms per state (1000 small tensors: 0.035 s, against 0.045 s). Once per process, the check that
+`torch._int_mm` is exact: 0.04 to 0.15 s; where it is missing or inexact, the elementwise way: 0.46 s/GiB of
+float32, 1.2 of bfloat16. A switch sums each rank's share twice (before and after). On a GPU the elementwise way
+runs in 4 Mi-unit chunks with one host transfer per call of `local_sums` (not measured: no GPU was lent).
+Measure with
 
     .venv/bin/python -m dynatrain.engine.placed_sums --gib 1 --threads 1     # add --dtype bfloat16, --threads 2
 
@@ -44,15 +51,13 @@ import math
 import re
 import struct
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio constant as a signed int64 (as in `verify`)
-_CHUNK = 24576  # elements hashed at once on a CPU: below torch's intra-op grain (32768), so every op runs serially
-_CHUNK_ACCELERATOR = 1 << 22  # on a GPU: fewer kernel launches, 3 temporaries of 32 MiB (not measured here)
 _FIELDS = ("sums", "held", "sizes", "knowers", "squares", "bad")
 
 
@@ -145,82 +150,280 @@ def _strided_indices(shape, mesh, placements) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The element hash (`verify._box_checksum`'s, generalised from a box to per-dimension index lists).
+# The element hash: separable odd weights, summed through a matrix product of the bytes.
+#
+# A tensor is hashed in units: its elements for 1, 2 and 4 bytes, the two 4-byte halves (low first) of an 8-byte
+# element (the last dimension doubled). Of the global unit shape, the trailing dimensions are merged while their
+# product ``width`` stays at most `_ROW` (the last one alone if it is longer); each global unit has a row ``R`` (its
+# flat index over the other dimensions) and a column ``c`` (its flat index over the merged ones), and lies in hash
+# row ``R' = R * ceil(width / _ROW) + c // _ROW`` at hash column ``c' = c % _ROW``. Its value ``v'`` is its bytes
+# read as signed base-256 digits (``(v ^ 0x..808080) - 0x..808080`` of its two's complement value ``v``: a
+# bijection onto 2**(8 * size) consecutive integers around 0). The checksum is ``sum a(R') * b(c') * v'`` modulo
+# 2**64 over the units, ``a`` an odd splitmix64 of the hash row, ``b = 2 * g(c') + 1`` with ``g`` a bijection of
+# 31 bits (odd, distinct, below 2**32): bytes and indices enter separately, so the inner sum over a hash row is a
+# matrix product, the one place where the bytes are read.
+
+
+_UNITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+_SPREAD = {1: 0, 2: 0x80, 4: 0x808080}  # v' = (v ^ spread) - spread: the bytes read as signed digits
+_ROW = 1 << 14  # units in a hash row at most: at most 64 KiB of bytes, so every digit sum below is exact in int32
+_DIGITS = 9  # balanced base-128 digits, each in [-64, 64), of a byte's weight b(c') * 256**k (below 2**56)
+_M31, _M64 = (1 << 31) - 1, (1 << 64) - 1
+_GAMMA, _C1, _C2 = (_wrap(x) for x in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_MM_BYTES = 1 << 20  # bytes per matrix product (rows at least 256): fewer calls, the weights packed less often
+_CHUNK = 1 << 15  # units per step of the elementwise way on a CPU (int64 temporaries of 256 KiB)
+_CHUNK_ACCELERATOR = 1 << 22  # on a GPU: fewer kernel launches (not measured here)
+_THREADED_BYTES = 8 << 20  # below this a tensor is hashed on the calling thread alone
+_tables: dict = {}  # `_weights`' tables by (unit size, device, digits), and whether `_int_mm` is exact
 
 
 def indexed_checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]) -> int:
-    """Sum over the elements of ``local`` of the hash of (bits, global flat index in ``shape``), where entry
-    ``(i0, i1, ...)`` of ``local`` is element ``(indices[0][i0], indices[1][i1], ...)``. Equal to
-    `verify._box_checksum` for a box (``indices`` = ranges). Vectorised in chunks: on a CPU, chunks smaller than
-    torch's intra-op grain, spread over ``torch.get_num_threads()`` Python threads (torch releases the GIL in an
-    op), so no op waits at an OpenMP barrier: on an oversubscribed host those cost a time slice each (measured 25
-    to 90 s/GiB with 2 OpenMP threads at load 12 on 2 cores, against 1.7 s/GiB this way). Besides the chunks'
-    temporaries it allocates one index per row (all dimensions but the last), never one per element."""
-    return _wrap(int(_checksum(local, indices, shape).item()))
+    """Sum over the units of ``local`` (the comment above) of ``a(R') * b(c') * v'`` modulo 2**64, where entry
+    ``(i0, i1, ...)`` of ``local`` is element ``(indices[0][i0], indices[1][i1], ...)`` of a tensor of ``shape``.
+    Each unit's term depends on its bits and global index alone, so the sum over any partition of a tensor into
+    local parts is the same.
+
+    What it detects (a unit's change ``d = v'_new - v'_old`` is below 2**32 in size, 2**16 for 2-byte dtypes):
+    the weights are odd, so a change of one unit (one bit flipped included) always changes the sum; so does an
+    exchange of two different units of one hash row (up to `_ROW` units of a tensor row; an 8-byte element is
+    two units), ``(b1 - b2) * d`` being a nonzero integer with fewer than 64 factors 2. Any other change is
+    missed with probability at most about ``2**(t - 63)`` if the weights behave as random odd numbers (they are a
+    fixed pseudo-random function of the index: a heuristic, not a proof), ``2**t`` the largest power of 2 dividing
+    every changed unit's ``d``: ``t < 32``, so at worst 2**-32 (a float32 exchanged with its negation across
+    rows), 2**-48 for 2-byte dtypes, about 2**-63 where the low bits differ.
+
+    On a CPU the inner sums are int8 matrix products (`torch._int_mm`) of the bytes with the balanced base-128
+    digits of their weights ``b(c') * 256**k``: exact in int32 (64 KiB of bytes times digits below 2**13), checked
+    once per process against int64 arithmetic (else, and on a GPU, the same sums elementwise in int64); split over
+    ``torch.get_num_threads()`` Python threads, torch held at one intra-op thread meanwhile (an OpenMP barrier on
+    an oversubscribed host costs a time slice). Allocates one index per tensor row, never one per element."""
+    with _serial() as threads:
+        return _wrap(int(_checksum(local, indices, shape, threads).item()))
 
 
-def _checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]) -> torch.Tensor:
-    """`indexed_checksum` as a 0-d int64 tensor on ``local``'s device (no host synchronisation but on a CPU)."""
+@contextmanager
+def _serial():
+    """torch at one intra-op thread while inside (restored after); gives the count it had (the Python threads)."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield n
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
+
+
+def _checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int], threads: int = 1) -> torch.Tensor:
+    """`indexed_checksum` as a 0-d int64 tensor on ``local``'s device (no host synchronisation but on a CPU), with
+    up to ``threads`` Python threads (a CPU, torch held at one thread by the caller)."""
     dev = local.device
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=dev)
-    bits = local.detach().contiguous().view(_BITS[local.element_size()])
+    size = local.element_size()
     shape, indices = tuple(shape), list(indices)
     if not shape:  # a 0-d tensor: one element at index 0
-        bits, indices, shape = bits.reshape(1), [range(1)], (1,)
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    # The odd factor 2*index + 1 = outer2[row] + inner2[col], with rows over all dimensions but the last.
-    outer2 = torch.zeros(1, dtype=torch.int64, device=dev)
-    for d in range(len(shape) - 1):
-        outer2 = (outer2[:, None] + _as_tensor(indices[d], dev)[None, :] * (2 * strides[d])).reshape(-1)
-    last = indices[-1]
-    rows, cols = outer2.numel(), len(last)
-    bits = bits.reshape(rows, cols)
+        local, indices, shape = local.reshape(1), [range(1)], (1,)
+    bits = local.detach().contiguous().view(_BITS[size]).view(_UNITS[size])  # 8 bytes: the last dimension doubles
+    per = max(1, size // 4)  # units per element
+    unit = bits.element_size()
+    shape = shape[:-1] + (shape[-1] * per,)
+    indices = indices[:-1] + [_units(indices[-1], per)]
+    t, width = len(shape), 1  # merge trailing dimensions while they fit in one hash row
+    while t > 0 and width * shape[t - 1] <= _ROW:
+        t, width = t - 1, width * shape[t - 1]
+    if t == len(shape):  # a last dimension longer than a hash row: cut into several
+        t, width = t - 1, shape[-1]
+    rows, cols = _flat(indices[:t], shape[:t]), _flat(indices[t:], shape[t:])
+    bits = bits.reshape(len(rows), len(cols))
     cpu = dev.type == "cpu"
-    chunk = _CHUNK if cpu else _CHUNK_ACCELERATOR
-    step_r, step_c = max(1, chunk // cols), min(cols, chunk)
-    if isinstance(last, range) and last.step == 1:
-        inner2, start = torch.arange(step_c, dtype=torch.int64, device=dev) * 2 + 1, last.start
-    else:
-        inner2, start = _as_tensor(last, dev) * 2 + 1, None
-    if rows * cols <= chunk:  # a small tensor (most of a model's states): the same ops, without the loop
-        k = outer2[:, None] + (inner2[None, :cols] + 2 * start if start is not None else inner2[None, :])
-        h = bits.to(torch.int64, copy=True)  # a copy even of int64 bits: the ops below write in place
-        h.add_(_MIX).mul_(k)
-        return h.bitwise_xor_(h >> 29).sum()
-    n_c = -(-cols // step_c)
-    tasks = -(-rows // step_r) * n_c
+    mm = cpu and _int_mm_exact()
+    b, digits, powers = _weights(unit, dev, mm)
+    spread = _SPREAD[unit]
+    pieces, tasks, sizes = [], [], []
+    for x, col, row in _pieces(bits, rows, cols, -(-width // _ROW), dev):
+        m, k = x.shape
+        one = _row_weight(row.start) if isinstance(row, range) and len(row) == 1 else None  # a(R') of one row
+        row = None if one is not None else _row_weights(_as_tensor(row, dev))
+        if mm and m >= 16:  # the bytes' digit weights
+            w = (digits[col.start * unit:col.stop * unit] if isinstance(col, range) else
+                 digits.view(_ROW, unit * _DIGITS).index_select(0, col.to(dev)).view(-1, _DIGITS))
+            step, offset = max(256, _MM_BYTES // (k * unit)), None
+        else:  # the units' weights, and what v' = (v ^ spread) - spread takes off each row's sum
+            w = b[col.start:col.stop] if isinstance(col, range) else b.index_select(0, col.to(dev))
+            if one is not None:
+                w = w * one
+            step, offset = max(1, (_CHUNK if cpu else _CHUNK_ACCELERATOR) // k), w.sum() * spread if spread else None
+        pieces.append((x, w, row if one is None else one, offset))
+        for r0 in range(0, m, step):
+            tasks.append((len(pieces) - 1, r0, min(m, r0 + step)))
+            sizes.append((tasks[-1][2] - r0) * k)
 
-    def run(lo: int, hi: int) -> torch.Tensor:
-        n = min(chunk, rows * cols)
-        h, k, s = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
-        acc = torch.zeros((), dtype=torch.int64, device=dev)
-        for task in range(lo, hi):
-            r0, c0 = (task // n_c) * step_r, (task % n_c) * step_c
-            r1, c1 = min(rows, r0 + step_r), min(cols, c0 + step_c)
-            m = (r1 - r0) * (c1 - c0)
-            hv, kv = h[:m].view(r1 - r0, c1 - c0), k[:m].view(r1 - r0, c1 - c0)
-            if start is None:
-                torch.add(outer2[r0:r1, None], inner2[None, c0:c1], out=kv)
+    def run(todo) -> torch.Tensor:
+        parts = []
+        for p, r0, r1 in todo:
+            x, w, a, offset = pieces[p]
+            if w.dtype == torch.int8:  # per digit, the sum of digit * byte over the bytes, exact; then 128**j
+                z = torch._int_mm(x[r0:r1].view(torch.int8), w).to(torch.int64).mul_(powers).sum(1)
             else:
-                torch.add((outer2[r0:r1] + 2 * (start + c0))[:, None], inner2[None, :c1 - c0], out=kv)
-            hv.copy_(bits[r0:r1, c0:c1])  # sign-extends, as `.to(torch.int64)` does
-            hv.add_(_MIX).mul_(kv)
-            torch.bitwise_right_shift(h[:m], 29, out=s[:m])
-            h[:m].bitwise_xor_(s[:m])
-            acc += h[:m].sum()
-        return acc
+                z = ((x[r0:r1] ^ spread if spread else x[r0:r1]) * w).sum(1)  # promoted to int64 by ``w``
+                if offset is not None:
+                    z -= offset
+            parts.append(z.sum() if isinstance(a, int) else z.mul_(a[r0:r1]).sum())
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
-    workers = min(torch.get_num_threads(), tasks // 4) if cpu else 1
+    workers = min(threads, len(tasks)) if cpu and sum(sizes) * unit >= _THREADED_BYTES else 1
     if workers <= 1:
-        return run(0, tasks)
+        return run(tasks)
+    ends, total, done = [], sum(sizes), 0  # contiguous runs of tasks, about equal in units
+    for i, s in enumerate(sizes):
+        done += s
+        if done * workers >= total * (len(ends) + 1):
+            ends.append(i + 1)
+    starts = [0] + ends[:-1]
+    return torch.stack(list(_pool(workers).map(run, [tasks[a:e] for a, e in zip(starts, ends)]))).sum()
+
+
+def _pool(workers: int):
+    """A pool of at least ``workers`` threads kept for the process (a new thread's first matrix product costs about
+    1 ms), made anew in a forked child (whose copy has no threads)."""
+    import os
     from concurrent.futures import ThreadPoolExecutor
 
-    bounds = [tasks * w // workers for w in range(workers + 1)]
-    with ThreadPoolExecutor(workers, thread_name_prefix="placed-sums") as pool:
-        return torch.stack(list(pool.map(run, bounds[:-1], bounds[1:]))).sum()
+    pid, size, pool = _tables.get("pool", (None, 0, None))
+    if pid != os.getpid() or size < workers:
+        if pid == os.getpid():
+            pool.shutdown(wait=False)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="placed-sums")
+        _tables["pool"] = (os.getpid(), workers, pool)
+    return pool
+
+
+def _units(ix: Index, per: int) -> Index:
+    """The unit indices of elements ``ix`` along the last dimension, ``per`` units an element."""
+    if per == 1:
+        return ix
+    if isinstance(ix, range) and ix.step == 1:
+        return range(ix.start * per, ix.stop * per)
+    ix = _as_tensor(ix, ix.device if isinstance(ix, torch.Tensor) else None)
+    return (ix[:, None] * per + torch.arange(per, device=ix.device)).reshape(-1)
+
+
+def _flat(indices: Sequence[Index], shape: Sequence[int]) -> Index:
+    """The flat indices in ``shape`` of the entries of the product of ``indices`` (row-major): a range while they
+    are contiguous, else an int64 tensor (on the first index tensor's device)."""
+    out: Index = range(1)
+    for ix, n in zip(indices, shape):
+        if isinstance(out, range) and isinstance(ix, range) and ix.step == 1 and (
+                len(out) == 1 or (ix.start == 0 and ix.stop == n)):
+            out = range(out.start * n + ix.start, (out.stop - 1) * n + ix.stop)
+        else:
+            dev = ix.device if isinstance(ix, torch.Tensor) else out.device if isinstance(out, torch.Tensor) else None
+            out = (_as_tensor(out, dev)[:, None] * n + _as_tensor(ix, dev)[None, :]).reshape(-1)
+    return out
+
+
+def _pieces(bits: torch.Tensor, rows: Index, cols: Index, per_row: int, dev):
+    """(matrix of units, their hash columns, each matrix row's hash row) covering ``bits``, whose rows are tensor
+    rows ``rows`` and columns ``cols``, each tensor row ``per_row`` hash rows."""
+    if per_row == 1:
+        yield bits, cols, rows
+        return
+    rows = _as_tensor(rows, dev)
+    runs = []  # (first, end) local columns of one hash row, its index within the tensor row, its hash columns
+    if isinstance(cols, range):
+        for g in range(cols.start // _ROW, (cols.stop - 1) // _ROW + 1):
+            lo, hi = max(cols.start, g * _ROW), min(cols.stop, (g + 1) * _ROW)
+            runs.append((lo - cols.start, hi - cols.start, g, range(lo - g * _ROW, hi - g * _ROW)))
+    else:
+        group = cols // _ROW
+        cuts = [0, *((group[1:] != group[:-1]).nonzero().flatten() + 1).tolist(), len(cols)]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            g = int(group[lo])
+            runs.append((lo, hi, g, cols[lo:hi] - g * _ROW))
+    full = [r for r in runs if r[1] - r[0] == _ROW]
+    if isinstance(cols, range) and len(rows) < 64 and len(full) > 1:  # few long rows (a vector): batch whole ones
+        first, g = full[0][0], full[0][2]
+        for i in range(len(rows)):
+            yield (bits[i, first:first + len(full) * _ROW].view(len(full), _ROW), range(_ROW),
+                   rows[i] * per_row + torch.arange(g, g + len(full), device=rows.device))
+            for lo, hi, g2, col in runs:
+                if hi - lo != _ROW:
+                    yield bits[i:i + 1, lo:hi], col, rows[i:i + 1] * per_row + g2
+        return
+    for lo, hi, g, col in runs:
+        yield bits[:, lo:hi], col, rows * per_row + g
+
+
+def _row_weight(row: int) -> int:
+    """`_row_weights` of one row, in Python."""
+    z = (row + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return _wrap((z ^ (z >> 31)) | 1)
+
+
+def _row_weights(rows: torch.Tensor) -> torch.Tensor:
+    """a(R'): splitmix64 of each hash row (its finaliser, shifts made logical), made odd."""
+    z = rows + _GAMMA
+    z = (z ^ _srl(z, 30)) * _C1
+    z = (z ^ _srl(z, 27)) * _C2
+    return (z ^ _srl(z, 31)) | 1
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _col_weights(cols: torch.Tensor) -> torch.Tensor:
+    """b(c') = 2 * g(c') + 1, ``g`` a bijection of [0, 2**31) (xorshifts and odd multiplications modulo 2**31)."""
+    z = cols ^ 0x2545F491
+    z = ((z ^ (z >> 16)) * 0x045D9F3B) & _M31
+    z = ((z ^ (z >> 15)) * 0x2C1B3C6D) & _M31
+    return (z ^ (z >> 16)) * 2 + 1
+
+
+def _weights(unit: int, dev: torch.device, digits: bool):
+    """(b of every hash column, int64; the balanced base-128 digits of ``b(c') * 256**k`` for byte ``k`` of a unit
+    at ``c'``, int8 of ``[_ROW * unit, _DIGITS]`` (None without ``digits``); the digits' powers of 128), kept."""
+    key = (unit, str(dev), digits)
+    if key not in _tables:
+        b = _col_weights(torch.arange(_ROW, dtype=torch.int64, device=dev))
+        d = None
+        if digits:
+            w = (b[:, None] << (8 * torch.arange(unit, device=dev))).reshape(-1)
+            d = torch.empty(w.numel(), _DIGITS, dtype=torch.int8, device=dev)
+            for j in range(_DIGITS):
+                digit = ((w + 64) & 127) - 64
+                d[:, j] = digit
+                w = (w - digit) >> 7
+            assert not bool(w.any()), "a weight beyond its digits"
+        powers = torch.tensor([128 ** j for j in range(_DIGITS)], dtype=torch.int64, device=dev)
+        _tables[key] = (b, d, powers)
+    return _tables[key]
+
+
+def _int_mm_exact() -> bool:
+    """Whether `torch._int_mm` on this CPU sums int8 products exactly in int32 for the shapes and values hashed
+    (its extremes: bytes -128 and 127 against digits -64 and 63 over 64 KiB rows; random ones), once a process."""
+    if "int_mm" not in _tables:
+        try:
+            ok = hasattr(torch, "_int_mm")
+            g = torch.Generator().manual_seed(11)
+            k = 1 << 16
+            for byte in (-128, 127) if ok else ():
+                for digit in (-64, 63):
+                    got = torch._int_mm(torch.full((64, k), byte, dtype=torch.int8),
+                                        torch.full((k, _DIGITS), digit, dtype=torch.int8))
+                    ok = ok and bool((got == k * byte * digit).all())
+            for m, k in [(1, 64), (7, 1000), (40, 4100), (300, 257)] if ok else ():
+                a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+                w = torch.randint(-64, 64, (k, _DIGITS), dtype=torch.int8, generator=g)
+                ok = ok and torch.equal(torch._int_mm(a, w).to(torch.int64), a.to(torch.int64) @ w.to(torch.int64))
+        except Exception:  # noqa: BLE001 - any failure of the probe: the elementwise way
+            ok = False
+        _tables["int_mm"] = ok
+    return _tables["int_mm"]
 
 
 def _as_tensor(ix: Index, device) -> torch.Tensor:
@@ -353,6 +556,12 @@ def local_sums(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, object
     if both:
         raise ValueError(f"states given both as tensors and as scalars: {sorted(both)[:5]}")
     out = StateSums.empty(names)
+    with _serial() as threads:
+        _hash_states(out, tensors, scalars, threads)
+    return out
+
+
+def _hash_states(out: StateSums, tensors, scalars, threads: int) -> None:
     memo: dict = {}
     pending: list[tuple[int, torch.Tensor]] = []  # (state, its sum on the device): one transfer for all at the end
     for i, name in enumerate(out.names):
@@ -374,7 +583,7 @@ def local_sums(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, object
                 raise ValueError(f"local shape {tuple(local.shape)}, its placements give {want}")
             if local.element_size() not in _BITS:
                 raise ValueError(f"dtype {local.dtype}: no integer view of its bits")
-            pending.append((i, _checksum(local, indices, tuple(t.shape))))
+            pending.append((i, _checksum(local, indices, tuple(t.shape), threads)))
             out.held[i] = local.numel()
         except ValueError as e:
             out.bad[i] = 1
@@ -385,7 +594,6 @@ def local_sums(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, object
     for items in by_device.values():
         for (i, _), value in zip(items, torch.stack([x for _, x in items]).tolist()):
             out.sums[i] = _wrap(value)
-    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

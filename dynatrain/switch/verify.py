@@ -19,8 +19,11 @@ from torch import nn
 
 from dynatrain.engine import placed_sums
 from dynatrain.engine.placed_sums import StateSums
-from dynatrain.engine.verify import SwitchVerificationError
 from dynatrain.switch.context import SwitchContext
+
+class SwitchVerificationError(RuntimeError):
+    """The state after a switch differs from the state before it."""
+
 
 GROUP = "#param_group"
 SCHEDULER = "#scheduler"

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import dynatrain
 from dynatrain import engine
 from dynatrain.data import LlamaDataModule
-from dynatrain.engine.verify import SwitchVerificationError
+from dynatrain.switch.verify import SwitchVerificationError
 from dynatrain.launcher import finish_rank
 from dynatrain.llama_lm import LlamaLM
 from dynatrain.planner.schedule import plan_switch
