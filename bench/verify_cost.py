@@ -49,7 +49,7 @@ def main() -> int:
                      "verified": all(r["reports"][i]["verified"] for ranks in runs["checked"] for r in ranks),
                      "bytes_total": rep["bytes_total"], "bytes_moved": rep["bytes_moved"]})
     share = max(r["verify_share"] for r in rows)
-    result = {"model": args.model, "devices": args.devices, "switches": rows, "verify_share_max": share,
+    result = {"command": "python bench/verify_cost.py " + " ".join(sys.argv[1:]), "model": args.model, "devices": args.devices, "switches": rows, "verify_share_max": share,
               "goal": "verify_share_max <= 0.10", "goal_met": share <= 0.10}
     for r in rows:
         print(f"{r['switch']:36s} stall {r['stall_s']:.2f}s  verify {r['verify_s']:.3f}s "

@@ -403,6 +403,11 @@ def _weights(unit: int, dev: torch.device, digits: bool):
     return _tables[key]
 
 
+def warm_up() -> None:
+    """The once-a-process set-up of the hash (the probe of `torch._int_mm`), done now: outside a switch's stall."""
+    _int_mm_exact()
+
+
 def _int_mm_exact() -> bool:
     """Whether `torch._int_mm` on this CPU sums int8 products exactly in int32 for the shapes and values hashed
     (its extremes: bytes -128 and 127 against digits -64 and 63 over 64 KiB rows; random ones), once a process."""

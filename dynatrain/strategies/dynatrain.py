@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
+from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
 from dynatrain.lightning_support import check_lightning_version
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
@@ -396,6 +397,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.verify_switches:
+                warm_up_switch_check()  # its one-time set-up, here rather than in the first switch's stall
         self.build_pipeline()
 
     def _set_accumulation(self, trainer: Trainer) -> None:

@@ -69,13 +69,8 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     timer = PhaseTimer()
     footprint = resident_bytes()  # the old layout's, its steps' working memory included
 
-    # capture: the live states (agreed across ranks) and their checksums by their own placements
+    # capture: the live states, agreed across ranks
     held = hold(ctx, agree=move.agree) if move.sends else None
-    timer.lap("plan")
-    before = None
-    if held is not None and move.verified(ctx):
-        before = verify.before(ctx, held)
-        timer.lap("verify")
     names: list[str] = []
     if held is not None and move.broken_world:
         # Nothing may reference the broken groups while the survivors agree: a peer blocked in a collective with
@@ -88,6 +83,11 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     if held is not None:
         engine.validate_sources(planned.plan, planned.me, held.captured.sources)
     timer.lap("plan")
+    # the check's side of before: what this process sends, hashed by its live tensors' own placements
+    before = None
+    if held is not None and move.verified(ctx):
+        before = verify.before(ctx, held, planned.plan, planned.me)
+        timer.lap("verify")
 
     # prepare target: on the target's mesh, which exists now for the same processes
     built: list[tuple[Any, nn.Module | None]] = []

@@ -1,35 +1,68 @@
-"""The check of every switch: the same states before and after, bit for bit, indexed by what the tensors themselves
-say (their DTensor placements and mesh, through torch's offset arithmetic: `engine.placed_sums`), never by the plan
-the engine ran. A placement error that plan and engine share (a rank map or mesh coordinate mixed up, a strided
-shard converted wrongly, a probe mesh that differs from the real one) moves an element to another global index and
-changes its state's sum.
+"""The check of every switch, indexed by what the tensors themselves say (their DTensor placements and mesh, through
+torch's offset arithmetic: `engine.placed_sums`), never by the plan the engine ran.
 
-It covers every parameter, buffer and optimizer tensor, the optimizer's scalars (``step``) and hyper-parameters, and
-the LR schedulers' states. Before the switch each process sums what its live tensors hold; after it, what its
-adopted ones hold; one all-reduce compares both (a world change reduces the sums of before on the old world, and a
-joining process receives them with its payload). Its seconds are the ``verify`` phase of the switch's report.
+Every element of a new shard got there one of two ways, and each is checked against the tensors' own placements:
+
+- **Over the wire.** Each process hashes every piece it sends with the global indices its live (old) tensor's own
+  placements give those local elements, and every piece it receives with the indices its adopted (new) tensor's own
+  placements give the local elements it was written to. Summed over the processes, what was sent equals what was
+  received, state by state, only if every moved element landed at its own global index: a placement error that plan
+  and engine share (a rank map or mesh coordinate mixed up, a strided shard converted wrongly, a probe mesh unlike the
+  real one) moves an element to another index and names its state.
+- **Copied locally** (or kept in place). The old tensor's own placements and the new one's must give the same global
+  indices for the copied region; this is arithmetic on index ranges, no element is read.
+
+And each new shard must be written whole and once (the regions received and copied tile it). The plan says which
+regions the engine moved, and each of those claims is checked; no claim is taken as the index of an element.
+
+The optimizer's scalars (``step``), its hyper-parameters and the LR schedulers' states are hashed whole before and
+after (`placed_sums.local_sums`). A world change reduces the sums of before on the old world and hands them to
+joining processes. The check's seconds are the ``verify`` phase of the switch's report: it reads the moved bytes
+once more on each side, not the whole state.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from dynatrain.engine import placed_sums
-from dynatrain.engine.placed_sums import StateSums
+from dynatrain.engine.placed_sums import StateSums, indexed_checksum, placed_indices
+from dynatrain.engine.wire import local_box
 from dynatrain.switch.context import SwitchContext
-
-class SwitchVerificationError(RuntimeError):
-    """The state after a switch differs from the state before it."""
-
 
 GROUP = "#param_group"
 SCHEDULER = "#scheduler"
 
 
-def _states(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dict, dict]:
+class SwitchVerificationError(RuntimeError):
+    """The state after a switch differs from the state before it."""
+
+
+@dataclass
+class Before:
+    """What one side of the check knows before anything moves: per routed state (``names``), the sum of the pieces sent
+    (this process's, or after `reduce` every process's); the scalars' sums; per local copy of this process, the global
+    indices of its source region."""
+
+    names: tuple[str, ...]
+    sent: list[int]
+    scalars: StateSums
+    copies: list = field(default_factory=list)
+
+
+def _wrap(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _live(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dict, dict]:
+    """(routed tensors by state name, scalars by name) of a module and its optimizer, as the capture names them."""
     tensors, scalars = placed_sums.module_state_tensors(module, optimizer, param_groups=False)
     if optimizer is not None:
         for i, group in enumerate(optimizer.param_groups):
@@ -41,45 +74,180 @@ def _states(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[d
     return tensors, scalars
 
 
-def before(ctx: SwitchContext, held) -> StateSums:
-    """This process's sums of the live states, over the states every process agreed on (every pipeline stage's)."""
+def _indices(t: torch.Tensor, memo: dict) -> list:
+    """Per dimension, the global indices of ``t``'s local elements (a 0-d tensor as the one element it is captured as)."""
+    if t.dim() == 0:
+        return [range(1)]
+    indices = placed_indices(t, memo)
+    if indices is None:
+        raise ValueError("holds no part of it on this process")
+    return indices
+
+
+def _region(shards, shard: int, box) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return local_box(shards.offsets[shard], box)
+
+
+def _piece_sum(local: torch.Tensor, indices: list, shape: tuple[int, ...], lo, hi) -> int:
+    view = local.reshape(1) if local.dim() == 0 else local
+    view = view[tuple(slice(a, b) for a, b in zip(lo, hi))]
+    return indexed_checksum(view, [ix[a:b] for ix, a, b in zip(indices, lo, hi)], shape)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, range) and isinstance(b, range):
+        return a == b
+    return torch.equal(torch.as_tensor(list(a) if isinstance(a, range) else a),
+                       torch.as_tensor(list(b) if isinstance(b, range) else b))
+
+
+def before(ctx: SwitchContext, held, plan, me: int) -> Before:
+    """This process's side before the switch: the pieces it sends, hashed by its live tensors' own placements."""
     kept = held.kept
-    names = {s.name for s in held.captured.specs}
-    names |= {f"{p}.{k}" for p, entries in kept.scalars.items() for k in entries}
-    names |= {f"{GROUP}.{i}" for i in range(len(kept.groups))}
-    names |= {f"{SCHEDULER}.{i}" for i in range(len(kept.schedulers))}
-    return _sums(held.module, held.optimizer, kept.schedulers, sorted(names))
+    names = tuple(s.name for s in held.captured.specs)
+    shapes = {s.name: tuple(s.shape) for s in held.captured.specs}
+    tensors, scalars = _live(held.module, held.optimizer, kept.schedulers)
+    scalar_names = sorted({f"{p}.{k}" for p, entries in kept.scalars.items() for k in entries}
+                          | {f"{GROUP}.{i}" for i in range(len(kept.groups))}
+                          | {f"{SCHEDULER}.{i}" for i in range(len(kept.schedulers))})
+    out = Before(names, [0] * len(names), placed_sums.local_sums({}, scalars, scalar_names))
+    at = {n: i for i, n in enumerate(names)}
+    rp, memo = plan.rank_plan(me), {}
+    sources = held.captured.sources
+    for messages in rp.sends:
+        for message in messages:
+            for t in message.pieces:
+                lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
+                indices = _indices(tensors[t.state], memo)
+                out.sent[at[t.state]] += _piece_sum(sources[t.state], indices, shapes[t.state], lo, hi)
+    for copies in rp.local_copies:
+        for t in copies:
+            lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
+            indices = _indices(tensors[t.state], memo)
+            out.copies.append((t, [ix[a:b] for ix, a, b in zip(indices, lo, hi)]))
+    out.sent = [_wrap(x) for x in out.sent]
+    return out
 
 
-def _sums(module: nn.Module, optimizer, schedulers: Sequence[dict], names: Sequence[str]) -> StateSums:
-    tensors, scalars = _states(module, optimizer, schedulers)
-    return placed_sums.local_sums(tensors, scalars, names)
+def _vector(device, values: list[int], group=None) -> list[int]:
+    t = torch.tensor([_wrap(v) for v in values], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()
 
 
-def reduce(ctx: SwitchContext, sums: StateSums) -> StateSums:
-    return placed_sums.reduce(sums, ctx.device)
+def reduce(ctx: SwitchContext, side: Before) -> Before:
+    """``side`` summed over the processes of the current world (the copies stay this process's)."""
+    n = len(side.names)
+    total = _vector(ctx.device, side.sent + side.scalars.vector())
+    return Before(side.names, total[:n], StateSums.from_vector(side.scalars.names, total[n:]), side.copies)
 
 
-def after(ctx: SwitchContext, old: StateSums, planned, reduced: bool, schedulers: Sequence[dict]) -> bool:
+def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: Sequence[dict]) -> bool:
     """Raise `SwitchVerificationError` naming every state that differs; ``reduced``: ``old`` holds the totals over
     the old world already; ``schedulers``: the LR schedulers' states the process trains on with."""
-    new = _sums(ctx.module, ctx.optimizer(), schedulers, old.names)
+    plan, me = planned.plan, planned.me
+    names, at = old.names, {n: i for i, n in enumerate(old.names)}
+    shapes = {s.name: tuple(s.shape) for s in plan.new.states}
+    tensors, scalars = _live(ctx.module, ctx.optimizer(), schedulers)
+    received, bad = [0] * len(names), [0] * len(names)
+    problems: dict[str, str] = {}
+    memo: dict = {}
+    cover: dict[str, list] = {}
+
+    def fault(state: str, why: str) -> None:
+        bad[at[state]] += 1
+        problems.setdefault(state, why)
+
+    rp = plan.rank_plan(me)
+    for messages in rp.recvs:
+        for message in messages:
+            for t in message.pieces:
+                lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
+                cover.setdefault(t.state, []).append((lo, hi))
+                try:
+                    live = tensors[t.state]
+                    local = live.to_local() if hasattr(live, "to_local") else live
+                    received[at[t.state]] += _piece_sum(local, _indices(live, memo), shapes[t.state], lo, hi)
+                except (KeyError, ValueError, IndexError) as e:
+                    fault(t.state, f"a received piece has no place in the adopted tensor ({e})")
+    for t, src_indices in old.copies:  # this process's own, also after a `reduce`
+        lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
+        cover.setdefault(t.state, []).append((lo, hi))
+        try:
+            dst_indices = [ix[a:b] for ix, a, b in zip(_indices(tensors[t.state], memo), lo, hi)]
+        except (KeyError, ValueError) as e:
+            fault(t.state, f"a local copy has no place in the adopted tensor ({e})")
+            continue
+        if len(dst_indices) != len(src_indices) or not all(map(_same, src_indices, dst_indices)):
+            fault(t.state, "a region kept on this process lies at other global indices after the switch")
+    for state, regions in _tiles(tensors, cover, names).items():
+        fault(state, regions)
+    new_scalars = placed_sums.local_sums({}, scalars, old.scalars.names)
+
+    n = len(names)
     if reduced:
-        bad = placed_sums.explain(old, placed_sums.reduce(new, ctx.device))
+        total = _vector(ctx.device, received + bad + new_scalars.vector())
+        sent, received, bad = old.sent, total[:n], total[n:2 * n]
+        old_scalars, new_scalars = old.scalars, StateSums.from_vector(old.scalars.names, total[2 * n:])
     else:
-        bad = placed_sums.compare(old, new, ctx.device)
-    if bad:
-        shown = "; ".join(f"{name}: {why}" for name, why in list(bad.items())[:5])
+        total = _vector(ctx.device, old.sent + received + bad + old.scalars.vector() + new_scalars.vector())
+        sent, received, bad = total[:n], total[n:2 * n], total[2 * n:3 * n]
+        k = len(old.scalars.vector())
+        old_scalars = StateSums.from_vector(old.scalars.names, total[3 * n:3 * n + k])
+        new_scalars = StateSums.from_vector(old.scalars.names, total[3 * n + k:])
+    wrong = {}
+    for i, name in enumerate(names):
+        if bad[i]:
+            wrong[name] = problems.get(name, f"{bad[i]} process(es) found its new shard misplaced")
+        elif sent[i] != received[i]:
+            wrong[name] = "values differ: what was received is not what was sent, at the same global indices"
+    wrong.update(placed_sums.explain(old_scalars, new_scalars))
+    if wrong:
+        shown = "; ".join(f"{name}: {why}" for name, why in list(wrong.items())[:5])
         raise SwitchVerificationError(
-            f"switch {planned.old_layout.config.short()} -> {planned.target.short()} changed {len(bad)} state(s): "
-            f"{shown}")
+            f"switch {planned.old_layout.config.short()} -> {planned.target.short()} changed {len(wrong)} "
+            f"state(s): {shown}")
     return True
 
 
-def to_json(sums: StateSums) -> dict:
-    """Reduced sums, for a joining process (the per-rank ``problems`` stay behind)."""
-    return {"names": list(sums.names), "vector": sums.vector()}
+def _tiles(tensors: dict, cover: dict[str, list], names: Sequence[str]) -> dict[str, str]:
+    """States whose new local shard on this process is not written whole and once by the regions received and
+    copied into it."""
+    out = {}
+    for name in names:
+        live = tensors.get(name)
+        if live is None:
+            continue
+        local = live.to_local() if hasattr(live, "to_local") else live
+        numel = max(local.numel(), 1) if local.dim() == 0 else local.numel()
+        regions = cover.get(name, [])
+        volume = 0
+        for lo, hi in regions:
+            n = 1
+            for a, b in zip(lo, hi):
+                n *= max(b - a, 0)
+            volume += n
+        if volume != numel or _overlap(regions):
+            out[name] = (f"its new shard of {numel} elements on this process was written as {volume} elements in "
+                         f"{len(regions)} region(s)" + (", some twice" if volume == numel else ""))
+    return out
 
 
-def from_json(row: dict) -> StateSums:
-    return StateSums.from_vector(tuple(row["names"]), row["vector"])
+def _overlap(regions: list) -> bool:
+    for i, (lo_a, hi_a) in enumerate(regions):
+        for lo_b, hi_b in regions[i + 1:]:
+            if all(max(a, b) < min(c, d) for a, b, c, d in zip(lo_a, lo_b, hi_a, hi_b)):
+                return True
+    return False
+
+
+def to_json(side: Before) -> dict:
+    """Reduced sums of before, for a joining process (which has no local copies)."""
+    return {"names": list(side.names), "sent": side.sent, "scalar_names": list(side.scalars.names),
+            "scalars": side.scalars.vector()}
+
+
+def from_json(row: dict) -> Before:
+    return Before(tuple(row["names"]), list(row["sent"]),
+                  StateSums.from_vector(tuple(row["scalar_names"]), row["scalars"]))
