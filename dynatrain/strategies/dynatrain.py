@@ -65,9 +65,10 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         sequence_parallel: shard activations along the sequence between TP regions.
         param_dtype: FSDP2 mixed precision: dtype parameters are gathered in (``"bfloat16"``), or None.
         reduce_dtype: FSDP2 mixed precision: dtype of the gradient reduce-scatter.
-        verify_switches: check every layout switch bitwise: per-state checksums before and after, each element
-            indexed by its tensor's own placements, never by the plan (see `dynatrain.switch.verify`); covers
-            optimizer scalars and LR schedulers; its seconds are the report's ``verify`` phase.
+        verify_switches: check every layout switch bitwise: each moved element hashed where it was sent and where
+            it landed, indexed by its tensor's own placements, never by the plan; what stayed checked by its
+            indices; optimizer scalars and LR schedulers hashed whole (see `dynatrain.switch.verify`). Its seconds
+            are the report's ``verify`` phase.
         switch_budget_mb: transient memory per rank for a layout switch beyond holding the state once: half
             stages a round's send + receive buffers, half holds the states in flight (see docs/planner.md).
         rank_map: how a switch places processes on the new mesh: ``"optimal"`` (fewest bytes on the wire),
