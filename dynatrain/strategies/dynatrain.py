@@ -40,6 +40,7 @@ from dynatrain.strategies.steps import CompileWatch, StepHooks
 from dynatrain.switch.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -266,6 +267,14 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         versions = logger_versions(trainer) if world.rank == 0 else None
         adopt_logger_versions(trainer, self.broadcast(versions))
+
+    def _get_process_group_backend(self) -> str:
+        # The requests' agreement, the batch fingerprints and the joiners' hand-shakes travel as CPU tensors on the
+        # training groups: on CUDA those groups take gloo for CPU tensors beside NCCL, as an elastic world's
+        # generations do, instead of NCCL alone, which refuses them. A backend the user names is kept as it is.
+        if self._process_group_backend is None and self.root_device.type == "cuda":
+            return CUDA_BACKEND
+        return super()._get_process_group_backend()
 
     def member_info(self) -> dict:
         from dynatrain import __version__
