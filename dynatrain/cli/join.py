@@ -25,6 +25,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"HOST:PORT of the job's store (default: ${ENDPOINT_ENV})")
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the job's token (default: ${TOKEN_ENV})")
     p.add_argument("--token-file", help="a file holding the job's token (the launcher writes one)")
+    p.add_argument("--device", type=int, default=None,
+                   help="the GPU this process trains on, an index among the visible ones (default: $LOCAL_RANK, as "
+                        "torchrun gives it, else 0); it becomes the process's only visible GPU, as torchrun's "
+                        "workers see theirs")
     add_process_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="after --: the members' command line (e.g. -- fit --config recipe.yaml); optional for a "
@@ -58,6 +62,31 @@ def run(args) -> int:
     # strategy the recipe builds, as the defaults of ElasticConfig.endpoint/token/join (a recipe leaves them unset).
     os.environ.update({ENDPOINT_ENV: args.endpoint, TOKEN_ENV: token, JOIN_ENV: "1"})
     mark_if_unset()  # without OMP_NUM_THREADS, its threads become its share of the host's cores once admitted
+    visible = own_device(args.device, os.environ)
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)  # the job gives this process its rank when it admits it
     return run_lightning_cli([*argv, "--trainer.devices", "1", "--ckpt_path", JOIN_CHECKPOINT])
+
+
+def own_device(device: int | None, env) -> str | None:
+    """The value of ``CUDA_VISIBLE_DEVICES`` that leaves this process its own GPU: ``device`` (else ``$LOCAL_RANK``)
+    as an index among the GPUs visible now. None where nothing picks one (no flag, no local rank): the process then
+    sees what it sees. Lightning runs a joining process on one device, the first it sees; without this, every joiner
+    of a host would share GPU 0."""
+    if device is None:
+        local = env.get("LOCAL_RANK")
+        if local is None or not local.strip():
+            return None
+        device = int(local)
+    if device < 0:
+        raise SystemExit(f"dynatrain join: --device {device}: give a GPU index (0, 1, ...)")
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return str(device)
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    if device >= len(ids):
+        raise SystemExit(f"dynatrain join: device {device} is not among the {len(ids)} visible GPUs "
+                         f"(CUDA_VISIBLE_DEVICES={visible}): give --device 0 to {len(ids) - 1}")
+    return ids[device]
