@@ -26,10 +26,10 @@ from dynatrain.engine.placed_sums import (
 
 def added(*ranks: StateSums) -> StateSums:
     """What `reduce` gives for these ranks' local sums (wrapping as int64 does)."""
-    from dynatrain.engine.placed_sums import _wrap
+    from dynatrain.engine.placed_sums import wrap64
 
     vectors = [r.vector() for r in ranks]
-    return StateSums.from_vector(ranks[0].names, [_wrap(sum(col)) for col in zip(*vectors)])
+    return StateSums.from_vector(ranks[0].names, [wrap64(sum(col)) for col in zip(*vectors)])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def random_bits(shape, dtype, g) -> torch.Tensor:
 
 def reference(full: torch.Tensor) -> int:
     """The checksum of a whole tensor by its definition (the comment above `indexed_checksum`), unit by unit."""
-    from dynatrain.engine.placed_sums import _ROW, _wrap
+    from dynatrain.engine.placed_sums import _ROW, wrap64
 
     def a(r):  # splitmix64, odd
         z = (r + 0x9E3779B97F4A7C15) & M64
@@ -83,7 +83,7 @@ def reference(full: torch.Tensor) -> int:
         v = sum((d - 256 * (d >= 128)) << (8 * k) for k, d in enumerate(digits))  # signed base-256 digits
         row, col = divmod(f, width)
         total += a(row * per_row + col // _ROW) * b(col % _ROW) * v
-    return _wrap(total)
+    return wrap64(total)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,8 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FIELDS = ("sums", "held", "sizes", "knowers", "squares", "bad")
 
 
-def _wrap(x: int) -> int:
+def wrap64(x: int) -> int:
+    """``x`` modulo 2**64 as a signed int64: the arithmetic every sum here is exact in."""
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -169,7 +170,7 @@ _SPREAD = {1: 0, 2: 0x80, 4: 0x808080}  # v' = (v ^ spread) - spread: the bytes 
 _ROW = 1 << 14  # units in a hash row at most: at most 64 KiB of bytes, so every digit sum below is exact in int32
 _DIGITS = 9  # balanced base-128 digits, each in [-64, 64), of a byte's weight b(c') * 256**k (below 2**56)
 _M31, _M64 = (1 << 31) - 1, (1 << 64) - 1
-_GAMMA, _C1, _C2 = (_wrap(x) for x in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_GAMMA, _C1, _C2 = (wrap64(x) for x in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 _MM_BYTES = 1 << 20  # bytes per matrix product (rows at least 256): fewer calls, the weights packed less often
 _CHUNK = 1 << 15  # units per step of the elementwise way on a CPU (int64 temporaries of 256 KiB)
 _CHUNK_ACCELERATOR = 1 << 22  # on a GPU: fewer kernel launches (not measured here)
@@ -198,7 +199,7 @@ def indexed_checksum(local: torch.Tensor, indices: Sequence[Index], shape: Seque
     ``torch.get_num_threads()`` Python threads, torch held at one intra-op thread meanwhile (an OpenMP barrier on
     an oversubscribed host costs a time slice). Allocates one index per tensor row, never one per element."""
     with _serial() as threads:
-        return _wrap(int(_checksum(local, indices, shape, threads).item()))
+        return wrap64(int(_checksum(local, indices, shape, threads).item()))
 
 
 @contextmanager
@@ -360,7 +361,7 @@ def _row_weight(row: int) -> int:
     z = (row + 0x9E3779B97F4A7C15) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return _wrap((z ^ (z >> 31)) | 1)
+    return wrap64((z ^ (z >> 31)) | 1)
 
 
 def _row_weights(rows: torch.Tensor) -> torch.Tensor:
@@ -515,7 +516,7 @@ def scalar_hash(name: str, value) -> int:
     d.update(name.encode())
     d.update(b"\0")
     d.update(canonical_bytes(value))
-    return _wrap(int.from_bytes(d.digest(), "little") | 1)
+    return wrap64(int.from_bytes(d.digest(), "little") | 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -542,7 +543,7 @@ class StateSums:
         return cls(tuple(names), *([0] * n for _ in _FIELDS))
 
     def vector(self) -> list[int]:
-        return [_wrap(x) for f in _FIELDS for x in getattr(self, f)]
+        return [wrap64(x) for f in _FIELDS for x in getattr(self, f)]
 
     @classmethod
     def from_vector(cls, names: tuple[str, ...], values: Sequence[int], problems=None) -> StateSums:
@@ -572,7 +573,7 @@ def _hash_states(out: StateSums, tensors, scalars, threads: int) -> None:
     for i, name in enumerate(out.names):
         if name in scalars:
             h = scalar_hash(name, scalars[name])
-            out.sums[i], out.held[i], out.sizes[i], out.knowers[i], out.squares[i] = h, 1, 1, 1, _wrap(h * h)
+            out.sums[i], out.held[i], out.sizes[i], out.knowers[i], out.squares[i] = h, 1, 1, 1, wrap64(h * h)
             continue
         t = tensors.get(name)
         if t is None:
@@ -598,7 +599,7 @@ def _hash_states(out: StateSums, tensors, scalars, threads: int) -> None:
         by_device.setdefault(x.device, []).append((i, x))
     for items in by_device.values():
         for (i, _), value in zip(items, torch.stack([x for _, x in items]).tolist()):
-            out.sums[i] = _wrap(value)
+            out.sums[i] = wrap64(value)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -641,7 +642,7 @@ def _side(s: StateSums, i: int) -> tuple[int, int, str | None]:
         return 0, 1, None if held == 0 else f"{held} elements held of an empty state"
     if held <= 0 or held % numel:
         return numel, 0, f"{held} elements held of {numel}: not a whole number of copies"
-    if square and _wrap(s.sums[i] * s.sums[i] - held * square):
+    if square and wrap64(s.sums[i] * s.sums[i] - held * square):
         return numel, 0, f"its {held} holders do not all hold the same value"
     return numel, held // numel, None
 
@@ -663,7 +664,7 @@ def explain(old: StateSums, new: StateSums) -> dict[str, str]:
             out[name] = "; ".join(f"{when}: {why}" for when, why in (("before", why_a), ("after", why_b)) if why)
         elif a != b:
             out[name] = f"{a} elements before, {b} after"
-        elif _wrap(old.sums[i] * q) != _wrap(new.sums[i] * p):
+        elif wrap64(old.sums[i] * q) != wrap64(new.sums[i] * p):
             out[name] = "values differ"
     return out
 

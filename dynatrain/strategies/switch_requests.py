@@ -122,7 +122,7 @@ def _check_module(switcher: Switching, target: ParallelConfig, probe: bool = Fal
     if getattr(strategy, "lightning_module", None) is None:
         return None  # nothing set up yet: the module is checked when the switch runs
     check_switchable(strategy.lightning_module, strategy.optimizers)
-    captured = capture_states(switcher.ctx, strategy.lightning_module, switcher.ctx.optimizer())
+    captured = capture_states(switcher.ctx)
     switcher.targets.check(target, captured, probe=probe)
     return captured
 
@@ -259,16 +259,14 @@ def _prepare(switcher: Switching, p: Pending, captured: Captured | None = None) 
     whichever joiners come (see `prepare`). Only a change with joiners publishes its intent for them. ``captured``:
     this rank's states as the request just captured them, if it did."""
     strategy = switcher.strategy
+    if captured is None:
+        captured = capture_states(switcher.ctx)
     if p.target.world_size == strategy.world_size and not p.leave:
-        if captured is None:
-            captured = capture_states(switcher.ctx, strategy.lightning_module, switcher.ctx.optimizer())
         inputs = in_world_inputs(switcher.ctx, switcher.targets, p.target, captured, strategy.switch_reports,
                                  built=switcher.targets.has_build(p.target))
         if switcher.prepared is None or switcher.prepared.inputs != inputs:
             switcher.prepared = InWorldPrep(inputs)
         return
-    if captured is None:
-        captured = capture_states(switcher.ctx, strategy.lightning_module, switcher.ctx.optimizer())
     inputs = change_inputs(switcher.ctx, switcher.targets, p.target, p.leave, None, captured)
     if switcher.prepared is None or switcher.prepared.inputs != inputs:
         if not inputs.joiners:

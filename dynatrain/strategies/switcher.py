@@ -70,9 +70,6 @@ class Switcher:
         for guard in self.strategy.switch_guards:
             guard()
 
-    def optimizer(self):
-        return self.ctx.optimizer()
-
     # ---- requests -----------------------------------------------------------------------------------------
     def check(self, target: str | ParallelConfig, world_size: int | None = None) -> ParallelConfig:
         """Parse and validate a target against the devices, the model and the global batch."""

@@ -86,7 +86,7 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     # the check's side of before: what this process sends, hashed by its live tensors' own placements
     before = None
     if held is not None and move.verified(ctx):
-        before = verify.before(ctx, held, planned.plan, planned.me)
+        before = verify.before(held, planned.plan, planned.me)
         timer.lap("verify")
 
     # prepare target: on the target's mesh, which exists now for the same processes

@@ -42,8 +42,10 @@ class Held:
     kept: Kept
 
 
-def capture_states(ctx: SwitchContext, module: nn.Module, optimizer) -> Captured:
-    """This rank's states; under pp with every stage's specs and kept entries beside them (`merge_stages`)."""
+def capture_states(ctx: SwitchContext) -> Captured:
+    """This rank's states of the live module and optimizer; under pp with every stage's specs and kept entries
+    beside them (`merge_stages`)."""
+    module, optimizer = ctx.module, ctx.optimizer()
     captured = capture(module, optimizer, ctx.mesh)
     if ctx.layout is None or ctx.layout.pp == 1:
         return captured
@@ -59,7 +61,7 @@ def hold(ctx: SwitchContext, agree: bool = True) -> Held:
         reshard(module)
     else:
         check_switchable(module, ctx.optimizers())
-    captured = capture_states(ctx, module, optimizer)
+    captured = capture_states(ctx)
     if agree and ctx.world_size > 1:
         _agree_on(ctx, captured)
     return Held(module, optimizer, captured, keep(ctx, captured, module, optimizer))

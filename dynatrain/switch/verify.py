@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dynatrain.engine import placed_sums
-from dynatrain.engine.placed_sums import StateSums, indexed_checksum, placed_indices
+from dynatrain.engine.placed_sums import StateSums, indexed_checksum, placed_indices, wrap64
 from dynatrain.engine.wire import local_box
+from dynatrain.switch.capture import local_tensor
 from dynatrain.switch.context import SwitchContext
 
 GROUP = "#param_group"
@@ -54,11 +55,6 @@ class Before:
     sent: list[int]
     scalars: StateSums
     copies: list = field(default_factory=list)
-
-
-def _wrap(x: int) -> int:
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def _live(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dict, dict]:
@@ -101,7 +97,7 @@ def _same(a, b) -> bool:
                        torch.as_tensor(list(b) if isinstance(b, range) else b))
 
 
-def before(ctx: SwitchContext, held, plan, me: int) -> Before:
+def before(held, plan, me: int) -> Before:
     """This process's side before the switch: the pieces it sends, hashed by its live tensors' own placements."""
     kept = held.kept
     names = tuple(s.name for s in held.captured.specs)
@@ -125,12 +121,12 @@ def before(ctx: SwitchContext, held, plan, me: int) -> Before:
             lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
             indices = _indices(tensors[t.state], memo)
             out.copies.append((t, [ix[a:b] for ix, a, b in zip(indices, lo, hi)]))
-    out.sent = [_wrap(x) for x in out.sent]
+    out.sent = [wrap64(x) for x in out.sent]
     return out
 
 
 def _vector(device, values: list[int], group=None) -> list[int]:
-    t = torch.tensor([_wrap(v) for v in values], dtype=torch.int64, device=device)
+    t = torch.tensor([wrap64(v) for v in values], dtype=torch.int64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
@@ -167,8 +163,8 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
                 cover.setdefault(t.state, []).append((lo, hi))
                 try:
                     live = tensors[t.state]
-                    local = live.to_local() if hasattr(live, "to_local") else live
-                    received[at[t.state]] += _piece_sum(local, _indices(live, memo), shapes[t.state], lo, hi)
+                    received[at[t.state]] += _piece_sum(local_tensor(live), _indices(live, memo), shapes[t.state],
+                                                        lo, hi)
                 except (KeyError, ValueError, IndexError) as e:
                     fault(t.state, f"a received piece has no place in the adopted tensor ({e})")
     for t, src_indices in old.copies:  # this process's own, also after a `reduce`
@@ -219,8 +215,7 @@ def _tiles(tensors: dict, cover: dict[str, list], names: Sequence[str]) -> dict[
         live = tensors.get(name)
         if live is None:
             continue
-        local = live.to_local() if hasattr(live, "to_local") else live
-        numel = max(local.numel(), 1) if local.dim() == 0 else local.numel()
+        numel = local_tensor(live).numel()  # a 0-d tensor is one element, as it is captured
         regions = cover.get(name, [])
         volume = 0
         for lo, hi in regions:
