@@ -2,7 +2,8 @@
 
 Lightning asks `configure_model()` to be idempotent, so it cannot be called again on the live, parallelised
 module. Instead the strategy keeps a *template*: the LightningModule as it was before `configure_model()` ran,
-with every parameter and buffer on the meta device (no memory). A target is a copy of the template whose
+with every parameter and buffer on the meta device (no memory) and what else it holds copied where it can be
+(`module_copy`). A target is a copy of the template whose
 `device_mesh` is the target mesh, on which `configure_model()` (or the strategy's own parallelisation) runs as it
 did at start-up; DTensor then records the target placements, which the switch plans from. After the transfer,
 the copy's parameter-holding children replace the live module's (`transplant`): the LightningModule object, its
@@ -14,7 +15,6 @@ the world, on probe meshes of fake groups (`probe`) for a world of another size 
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -25,24 +25,10 @@ from torch import nn
 from dynatrain.models.pipeline import pipeline_stages
 from dynatrain.switch.capture import target_shardings
 from dynatrain.switch.context import SwitchContext
+from dynatrain.switch.module_copy import meta_copy
 from dynatrain.switch.probe import probe_mesh
 from dynatrain.vps.layout import Layout
 from dynatrain.vps.parallel_config import ParallelConfig
-
-
-def meta_copy(module: nn.Module, keep: tuple = ()) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are meta tensors; objects in ``keep`` (the trainer)
-    are shared, not copied. The copy holds no device mesh: a mesh keeps its process groups alive, and a group
-    that outlives its world keeps a survivor's peers blocked in it."""
-    memo: dict[int, object] = {id(obj): obj for obj in keep if obj is not None}
-    mesh = getattr(module, "_device_mesh", None)
-    if mesh is not None:
-        memo[id(mesh)] = None
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
 
 
 class ModuleTemplate:
@@ -64,7 +50,7 @@ class ModuleTemplate:
     def fresh(self) -> nn.Module:
         """An unparallelised copy on meta (also what a process that left the job holds in place of its model, so
         the module's hooks that still run as its loop winds down find their modules)."""
-        target = copy.deepcopy(self.template, {id(obj): obj for obj in self.keep if obj is not None})
+        target = meta_copy(self.template, self.keep)
         if hasattr(self.source, "_trainer"):
             target._trainer = self.source._trainer  # a LightningModule drops its trainer when it is copied
         return target
