@@ -51,15 +51,14 @@ def check_layout(trainer, model, datamodule) -> None:
     data module's global batch. A process joining an elastic job takes the layout of the switch it joins, so it
     is not checked.
     """
-    from dynatrain.vps.parallel_config import ParallelConfig
+    from dynatrain.models.registry import zoo_config_of
 
     strategy = trainer.strategy
     if not hasattr(strategy, "parallel_request") or _elastic(strategy, "join"):
         return
     devices = trainer.num_nodes * trainer.num_devices
-    request = strategy.parallel_request
-    pcfg = ParallelConfig(dp_shard=devices) if request == "auto" else ParallelConfig.parse(request)
-    pcfg.validate(getattr(model, "model_config", None), devices)
+    pcfg = strategy.requested_layout(trainer.num_nodes, trainer.num_devices)
+    pcfg.validate(zoo_config_of(model), devices)
     if hasattr(datamodule, "accumulation_for"):
         try:
             datamodule.accumulation_for(pcfg.dp_size)

@@ -235,6 +235,11 @@ def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
         # mesh that torch offers, and it warns about a future deprecation of exactly that.
         warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
         return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+def holds_transformer(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds a dynatrain `Transformer` (what `parallelize_llama` parallelises)."""
+    return any(isinstance(m, Transformer) for m in module.modules())
+
+
 
 
 def dense_meshes(mesh: DeviceMesh, pcfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:

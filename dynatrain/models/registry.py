@@ -85,6 +85,27 @@ def spec_for(config) -> ModelSpec:
                      "register a ModelSpec for it (dynatrain.models.registry.register)")
 
 
+def is_zoo_config(config) -> bool:
+    """Whether ``config`` is a config of a registered kind (a user's dict or Hugging Face config is not)."""
+    return isinstance(config, tuple(_SPECS))
+
+
+def zoo_config_of(module) -> ZooConfig | None:
+    """The config of the zoo model ``module`` is or holds: its ``model_config`` (the zoo's LightningModule builds its
+    model from it in configure_model()), else the ``config`` of the first zoo model among its modules; None for a
+    module with no zoo model, whatever else it calls ``model_config`` or ``config`` (a dict, a Hugging Face config)."""
+    if module is None:
+        return None
+    config = getattr(module, "model_config", None)
+    if is_zoo_config(config):
+        return config
+    for m in module.modules() if callable(getattr(module, "modules", None)) else ():
+        config = getattr(m, "config", None)
+        if is_zoo_config(config):
+            return config
+    return None
+
+
 def zoo_names() -> list[str]:
     """Every named config, kind by kind."""
     return [name for spec in _SPECS.values() for name in sorted(spec.configs)]
@@ -92,7 +113,7 @@ def zoo_names() -> list[str]:
 
 def get_zoo_config(model: str | ZooConfig) -> ZooConfig:
     """A named config of any kind (or the config itself)."""
-    if isinstance(model, tuple(_SPECS)):
+    if is_zoo_config(model):
         return model
     for spec in _SPECS.values():
         if model in spec.configs:

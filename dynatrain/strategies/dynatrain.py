@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -29,11 +30,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
 from dynatrain.lightning_support import check_lightning_version
+from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
 from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, materialize_model, parallelize_llama
+from dynatrain.models.registry import zoo_config_of
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
+from dynatrain.strategies.lightning_compat import lightning_sizes, refuse_fsdp1
 from dynatrain.strategies.lightning_world import adopt_logger_versions, forget_old_meshes, logger_versions, set_world
 from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
 from dynatrain.strategies.steps import CompileWatch, StepHooks
@@ -80,8 +84,26 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         elastic: let the job change its processes (``True``, a dict of `ElasticConfig` fields, or one):
             processes leave and join through the job's store (see docs/elastic.md).
         parallelize_fn: ``fn(module, mesh, layout)`` that parallelises a LightningModule without
-            `configure_model()` for a layout (torchtitan's style); by default the zoo's, for the dynatrain
-            `Transformer`s the module holds. Also what `parallelize()` applies.
+            `configure_model()` for a layout (torchtitan's style); by default the zoo's for the dynatrain
+            `Transformer`s the module holds, else FSDP2 on each repeated block then on each child that holds
+            parameters, with tensor parallelism from the model's plan when tp > 1 (`models.auto_parallel`). Also what
+            `parallelize()` applies.
+        block_types: classes (or class names) whose modules the default parallelisation shards as one FSDP2 unit
+            each; by default a Hugging Face model's ``_no_split_modules``, else the element class of the largest
+            ``nn.ModuleList``.
+        tp_plan: for the default parallelisation with tp > 1: module-name patterns (from the LightningModule,
+            ``*`` for one name part) to ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
+            ``"embedding_rowwise"``, ``"sequence_parallel"``; by default the plan a Hugging Face model carries
+            (``_tp_plan``). A layout the plan cannot serve is refused when requested, with the reason.
+        reshard_after_forward: the default parallelisation frees gathered parameters after each block's forward
+            (False keeps them until backward: more memory, fewer all-gathers). Its FSDP2 mixed precision follows
+            Lightning's ``precision`` (``"bf16-mixed"``: bf16 parameters, fp32 reduction) unless ``param_dtype`` is
+            given.
+        data_parallel_size, tensor_parallel_size: as in Lightning's ``ModelParallelStrategy``, instead of
+            ``parallel``: when either is given, the other defaults to ``"auto"``, which is the number of nodes for
+            data parallelism (FSDP over ``dp_shard``) and the devices of one node for tensor parallelism. The mesh
+            is dynatrain's ``(dp_replicate, dp_shard, tp)``; ``device_mesh["data_parallel"]`` and
+            ``["tensor_parallel"]`` answer as Lightning's do, but ``mesh_dim_names`` lists dynatrain's names.
         loss_parallel: with tp > 1 the default parallelisation leaves the logits split over the vocabulary, and a
             module that computes its loss under `torch.distributed.tensor.parallel.loss_parallel` (the zoo's
             `CausalLM` does) never gathers them whole; False gathers them on every rank.
@@ -123,6 +145,11 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         activation_checkpointing: str = "none",
         compile: bool | str = False,
         check_batches: bool = False,
+        block_types: Sequence[type | str] = (),
+        tp_plan: dict[str, str] | None = None,
+        reshard_after_forward: bool = True,
+        data_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
     ) -> None:
         check_lightning_version()  # the loop integration (`fit_loop`) relies on this range's internals
         super().__init__(
@@ -131,6 +158,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
             timeout=timeout,
         )
         self._parallel_request = parallel if parallel == "auto" else ParallelConfig.parse(parallel)
+        self._lightning_sizes = lightning_sizes(parallel, data_parallel_size, tensor_parallel_size)
         self.sequence_parallel = sequence_parallel
         param = _dtype(param_dtype, "param_dtype")
         reduce = _dtype(reduce_dtype, "reduce_dtype")
@@ -140,7 +168,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         # Read by the zoo's parallelisation, for the first model and every switch's target alike.
         self.activation_checkpointing = ActivationCheckpointing.parse(activation_checkpointing)
         self.compile_backend = compile_backend(compile)
-        self.parallelize_fn = parallelize_fn or partial(
+        self.auto_options = AutoOptions(tuple(block_types), tp_plan, None, reshard_after_forward)
+        self.parallelize_fn = parallelize_fn or self._parallelize_default
+        self._zoo_parallelize = partial(
             parallelize_llama, mp_policy=self.mp_policy, sequence_parallel=sequence_parallel,
             stages_per_rank=stages_per_rank, loss_parallel=loss_parallel,
             activation_checkpointing=self.activation_checkpointing, compile_backend=self.compile_backend)
@@ -219,17 +249,21 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         return self.data_split.process(super().process_dataloader(dataloader))
 
     def model_config(self):
-        module = self.lightning_module
-        return getattr(module, "model_config", None) if module is not None else None
+        """The zoo config of the module's model (the model registry knows it), None for any other model."""
+        return zoo_config_of(self.lightning_module)
+
+    def requested_layout(self, num_nodes: int, devices_per_node: int) -> ParallelConfig:
+        """The layout asked for on ``num_nodes`` x ``devices_per_node`` devices, before the model is checked."""
+        if self._lightning_sizes is not None:
+            return ParallelConfig.from_lightning_sizes(*self._lightning_sizes, num_nodes, devices_per_node)
+        if self._parallel_request == "auto":
+            # Pure FSDP: the fastest layout for models whose shards fit the devices; large models pin `parallel=`.
+            return ParallelConfig(dp_shard=num_nodes * devices_per_node)
+        return self._parallel_request
 
     def _resolve_layout(self) -> ParallelConfig:
         world = self.world_size
-        if self._parallel_request == "auto":
-            # Pure FSDP: the fastest layout for models whose shards fit the devices; large models pin `parallel=`.
-            pcfg = ParallelConfig(dp_shard=world)
-        else:
-            pcfg = self._parallel_request
-        return pcfg.validate(self.model_config(), world)
+        return self.requested_layout(self.num_nodes, world // self.num_nodes).validate(self.model_config(), world)
 
     def setup_environment(self) -> None:
         if self.elastic_config is None:
@@ -339,6 +373,12 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         assert pcfg is not None
         return self.parallelize_fn(model, mesh, pcfg)
 
+    def _parallelize_default(self, module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> nn.Module:
+        # Lightning's precision is only known once the trainer has connected its plugin: read it at each build.
+        precision = getattr(self.precision_plugin, "precision", None)
+        options = replace(self.auto_options, mp_policy=mp_policy_for(precision, self.mp_policy))
+        return parallelize_default(module, mesh, pcfg, self._zoo_parallelize, options)
+
     @contextmanager
     def model_sharded_context(self):
         # Entered right before Lightning calls configure_model(): the module as the user built it is the template
@@ -382,6 +422,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        refuse_fsdp1(self.model, type(self).__name__)
         self._keep_template()
         if not is_overridden("configure_model", self.lightning_module):
             self.parallelize(self.model)

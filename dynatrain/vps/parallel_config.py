@@ -27,6 +27,11 @@ _TERMS = ("pp",) + MESH_DIM_NAMES + ("ep",)
 _TERM = re.compile(r"^\s*(pp|dp_replicate|dp_shard|tp|ep)\s*=\s*(-?\d+)\s*$")
 
 
+class LayoutError(ValueError, RuntimeError):
+    """A layout that does not fit the devices or the model. A ValueError, as every bad request here, and the
+    RuntimeError Lightning's ModelParallelStrategy raises for the same mistake, so code written for it catches it."""
+
+
 @dataclass(frozen=True, order=True)
 class ParallelConfig:
     dp_replicate: int = 1
@@ -159,25 +164,25 @@ class ParallelConfig:
     def validate(self, model: "ModelConfig | None" = None, world_size: int | None = None) -> "ParallelConfig":
         """Raise ValueError naming the constraint that fails; return self when it fits."""
         if world_size is not None and self.world_size != world_size:
-            raise ValueError(
+            raise LayoutError(
                 f"layout {self} needs {'pp*' if self.pp > 1 else ''}dp_replicate*dp_shard*tp = {self.world_size} devices, "
                 f"but there are {world_size}: change the layout so the product is {world_size}"
             )
         n_layers = getattr(model, "n_layers", None) if model is not None else None
         if n_layers is not None and self.pp > n_layers:
-            raise ValueError(
+            raise LayoutError(
                 f"pp={self.pp} needs at least one layer per stage, and model {model.name!r} has {n_layers}: choose "
                 f"pp <= {n_layers}"
             )
         if model is not None and self.ep > 1:
             n_experts = getattr(model, "n_experts", None)
             if n_experts is None:
-                raise ValueError(
+                raise LayoutError(
                     f"ep={self.ep} splits routed experts, and model {model.name!r} has none: use ep=1 "
                     "(or a mixture-of-experts model)"
                 )
             if n_experts % self.ep:
-                raise ValueError(
+                raise LayoutError(
                     f"ep={self.ep} does not divide n_experts={n_experts} of model {model.name!r}: choose an ep that "
                     f"divides {n_experts}"
                 )
@@ -187,11 +192,30 @@ class ParallelConfig:
                 sizes.append(("ffn_dim", model.ffn_dim))
             for what, size in sizes + [("vocab_size", model.vocab_size)]:
                 if size % self.tp:
-                    raise ValueError(
+                    raise LayoutError(
                         f"tp={self.tp} does not divide {what}={size} of model {model.name!r}: "
                         f"choose a tp that divides {size}"
                     )
         return self
+
+    @classmethod
+    def from_lightning_sizes(cls, data_parallel_size: "int | str", tensor_parallel_size: "int | str",
+                             num_nodes: int, devices_per_node: int) -> "ParallelConfig":
+        """The layout Lightning's ``ModelParallelStrategy(data_parallel_size, tensor_parallel_size)`` runs:
+        ``"auto"`` data parallelism is the number of nodes, ``"auto"`` tensor parallelism the devices of one node;
+        data parallelism is FSDP over ``dp_shard``. LayoutError when the product is not the world size."""
+        dp = num_nodes if data_parallel_size == "auto" else data_parallel_size
+        tp = devices_per_node if tensor_parallel_size == "auto" else tensor_parallel_size
+        for name, value in (("data_parallel_size", dp), ("tensor_parallel_size", tp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer or 'auto', got {value!r}")
+        world = num_nodes * devices_per_node
+        if dp * tp != world:
+            raise LayoutError(
+                f"The sizes `data_parallel_size={dp}` and `tensor_parallel_size={tp}` multiplied should equal the "
+                f"world size ({world}): choose sizes whose product is {world}"
+            )
+        return cls(dp_shard=dp, tp=tp)
 
     def __str__(self) -> str:
         text = f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp}"

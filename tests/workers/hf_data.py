@@ -1,6 +1,9 @@
 """One rank of a LightningModule around a stock Hugging Face `LlamaForCausalLM` (tiny config, random weights),
 parallelised in its own configure_model() (fully_shard per decoder layer, Colwise/Rowwise tensor parallelism) and
 fed by its own `train_dataloader()`: nothing in it is written for dynatrain. Lightning injects its sampler.
+With --model other than "configure", a module without configure_model() (`AutoLM`), which the strategy
+parallelises by default: a Hugging Face Llama (optionally with tied embeddings), Qwen2 or GPT-2, or the test suite's
+own TinyLM (tests/workers/user_model.py).
 
 Records per optimizer step the global mean loss and the global sample indices the step trained on (each
 data-parallel rank's once; the ranks of a tp group must agree). With --elastic it is a member or a joiner of an
@@ -27,6 +30,9 @@ import dynatrain
 from dynatrain.data.iterable import IterableTokenWindows
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
+
+sys.path.insert(0, str(Path(__file__).parent))
+from user_switch import _snapshot  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SEQ = 16
@@ -80,16 +86,39 @@ class ByGlobalRank(Sampler):
         return self.n // dist.get_world_size()
 
 
-class HFLM(pl.LightningModule):
-    def __init__(self, data: str, samples: int, batch_size: int, shuffle: bool, workers: int) -> None:
-        super().__init__()
+def build_model(name: str, heads: int = 4) -> torch.nn.Module:
+    """The model of --model, random weights from a fixed seed, vocabulary 256 (the tokens of TOKENS)."""
+    torch.manual_seed(0)
+    if name in ("configure", "llama", "llama-tied"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=False)
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(config)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+            num_key_value_heads=2 if heads % 2 == 0 else heads, max_position_embeddings=64,
+            tie_word_embeddings=name == "llama-tied"))
+    if name == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, tie_word_embeddings=False))
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0))
+    if name == "tiny":
+        from user_model import TinyLM
+
+        return TinyLM(heads=heads)
+    raise ValueError(name)
+
+
+class LMBase(pl.LightningModule):
+    def __init__(self, data: str, samples: int, batch_size: int, shuffle: bool, workers: int,
+                 model: str = "configure", heads: int = 4) -> None:
+        super().__init__()
+        self.model = build_model(model, heads)
         self.data, self.samples, self.batch_size, self.shuffle, self.workers = data, samples, batch_size, shuffle, workers
         self.step_losses: list[float] = []
         self.step_samples: list[list[int]] = []
@@ -100,20 +129,9 @@ class HFLM(pl.LightningModule):
         self.val_samples_seen: list[list[int]] = []
         self._val, self._val_indices = torch.zeros(2), []
 
-    def configure_model(self) -> None:
-        if any(hasattr(m, "reshard") for m in self.model.modules()):
-            return  # already parallelised
-        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-        for layer in self.model.model.layers:
-            if tp.size() > 1:
-                parallelize_module(layer, tp, {
-                    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                    "mlp.down_proj": RowwiseParallel(),
-                })
-            fully_shard(layer, mesh=dp)
-        fully_shard(self.model, mesh=dp)
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(tokens)  # a Hugging Face causal LM takes input_ids first and returns an output object
+        return getattr(out, "logits", out)
 
     def train_dataloader(self):
         kw = dict(batch_size=self.batch_size, num_workers=self.workers)
@@ -135,7 +153,7 @@ class HFLM(pl.LightningModule):
         return DataLoader(Windows(self.val_samples), batch_size=self.batch_size, shuffle=False)
 
     def validation_step(self, batch, batch_idx):
-        logits = self.model(input_ids=batch[0]).logits
+        logits = self.logits(batch[0])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[1].flatten(), reduction="sum")
         self._val += torch.stack([loss.detach(), torch.tensor(float(batch[1].numel()))])
         self._val_indices.extend(int(i) for i in batch[2])
@@ -153,7 +171,7 @@ class HFLM(pl.LightningModule):
         tokens, labels = batch[0], batch[1]
         if len(batch) > 2:
             self._indices.extend(int(i) for i in batch[2])
-        logits = self.model(input_ids=tokens).logits
+        logits = self.logits(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         self._micro.append(loss.detach())
         return loss
@@ -176,11 +194,34 @@ class HFLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
 
+class HFLM(LMBase):
+    """The Llama parallelised by its own configure_model()."""
+
+    def configure_model(self) -> None:
+        if any(hasattr(m, "reshard") for m in self.model.modules()):
+            return  # already parallelised
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            if tp.size() > 1:
+                parallelize_module(layer, tp, {
+                    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel(),
+                })
+            fully_shard(layer, mesh=dp)
+        fully_shard(self.model, mesh=dp)
+
+
+class AutoLM(LMBase):
+    """A model built in __init__ and no configure_model(): the strategy parallelises it by default."""
+
+
 class Script(pl.Callback):
     """Requests its entries in order at the first micro-batch of their steps; a refused one is recorded."""
 
     def __init__(self, entries: list[tuple[int, str]]) -> None:
-        self.entries, self.next, self.errors = entries, 0, []
+        self.entries, self.next, self.errors, self.untouched = entries, 0, [], []
 
     def state_dict(self) -> dict:
         return {"next": self.next}
@@ -194,10 +235,12 @@ class Script(pl.Callback):
             step, layout = self.entries[self.next]
             if trainer.global_step >= step:
                 self.next += 1
+                before = _snapshot(trainer)
                 try:
                     trainer.strategy.request_switch(layout, wait=True)
                 except ValueError as e:
                     self.errors.append(str(e))
+                    self.untouched.append(before == _snapshot(trainer))
 
 
 def main() -> None:
@@ -218,6 +261,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="limit_train_batches (micro-batches an epoch)")
     ap.add_argument("--save", default=None, metavar="STEP:DIR", help="ModelCheckpoint into DIR every STEP steps")
     ap.add_argument("--resume", default=None, help="resume from this checkpoint")
+    ap.add_argument("--model", default="configure", choices=["configure", "llama", "llama-tied", "qwen2", "gpt2",
+                                                              "tiny"],
+                    help="configure: the Llama of HFLM's configure_model(); else AutoLM around that model")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads of the Llama or TinyLM")
     args = ap.parse_args()
     entries = [(int(s.split(":", 1)[0]), s.split(":", 1)[1]) for s in args.switches.split(";") if s]
     joining = os.environ.get(JOIN_ENV) == "1"
@@ -239,7 +286,10 @@ def main() -> None:
         num_sanity_val_steps=0, limit_val_batches=1.0 if args.val else 0, callbacks=callbacks,
         use_distributed_sampler=args.data != "broken",
     )
-    module = HFLM(args.data, args.samples, args.batch_size, args.shuffle, args.workers)
+    if args.model == "configure":
+        module = HFLM(args.data, args.samples, args.batch_size, args.shuffle, args.workers)
+    else:
+        module = AutoLM(args.data, args.samples, args.batch_size, args.shuffle, args.workers, args.model, args.heads)
     module.val_samples = args.val
     error = None
     try:
@@ -256,6 +306,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "reports": [r.as_dict() for r in strategy.switch_reports],
         "errors": script.errors,
+        "untouched": script.untouched,
         "error": error,
         "accumulation": trainer.accumulate_grad_batches,
         "val_losses": module.val_losses,
@@ -264,5 +315,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main()
