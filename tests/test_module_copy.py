@@ -59,3 +59,22 @@ def test_a_copy_of_the_copy_shares_what_the_first_shared():
     first = meta_copy(live)
     second = meta_copy(first)
     assert first._device_mesh is None and second.lock is lock and second.weight is not first.weight
+
+
+def test_to_meta_and_fill_target_keep_a_tied_parameter_one():
+    from dynatrain.switch.adopt import fill_target
+    from dynatrain.switch.target import to_meta
+
+    def tied() -> nn.Module:
+        holder = nn.Module()
+        holder.net = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+        holder.net[1].weight = holder.net[0].weight
+        return holder
+
+    joiner = tied()
+    to_meta(joiner)  # what a joining process holds before its shards arrive
+    assert joiner.net[1].weight is joiner.net[0].weight and joiner.net[0].weight.is_meta
+    moved = torch.arange(32.0).view(8, 4)
+    target = meta_copy(tied())
+    fill_target(target, {"net.0.weight": moved}, torch.device("cpu"))  # the tied tensor arrives once
+    assert target.net[1].weight is target.net[0].weight and torch.equal(target.net[1].weight, moved)

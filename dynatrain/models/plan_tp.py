@@ -76,6 +76,14 @@ def expand(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
 
 def check_plan(model: nn.Module, modules: Mapping[str, str], tp: int) -> None:
     """ValueError naming the first width or head count ``tp`` does not divide."""
+    # Heads first: a width tp does not divide is most often a head count it does not divide.
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        for field in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, field, None)
+            if isinstance(heads, int) and heads % tp:
+                raise ValueError(f"tp={tp} does not divide {field}={heads} of {type(m).__name__}: choose a tp that "
+                                 f"divides {heads}")
     for name, style in modules.items():
         module = model.get_submodule(name)
         dim = _SPLIT_DIM[style]
@@ -88,13 +96,6 @@ def check_plan(model: nn.Module, modules: Mapping[str, str], tp: int) -> None:
         if size % tp:
             raise ValueError(f"tp={tp} does not divide {name} ({style}): its weight's dim {dim} has {size}; choose a "
                              f"tp that divides {size}")
-    for m in model.modules():
-        config = getattr(m, "config", None)
-        for field in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(config, field, None)
-            if isinstance(heads, int) and heads % tp:
-                raise ValueError(f"tp={tp} does not divide {field}={heads} of {type(m).__name__}: choose a tp that "
-                                 f"divides {heads}")
 
 
 def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str]) -> None:

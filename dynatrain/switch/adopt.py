@@ -19,13 +19,17 @@ def fill_target(target: nn.Module, dst: dict[str, torch.Tensor], device: torch.d
     """Give the target's parameters and buffers their moved tensors. A moved tensor that has the local shard's
     shape, dtype and device and is contiguous becomes the shard itself (FSDP2 re-reads its shards at lazy
     initialisation, as after ``to_empty``); any other is copied into fresh storage. The weights are not copied
-    again after the transfer, nor allocated a second time."""
+    again after the transfer, nor allocated a second time. A tied parameter arrives once, under its first name, and
+    every module that shares it gets that one parameter."""
+    adopted: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for prefix, owner in target.named_modules():
             at = f"{prefix}." if prefix else ""
             for key, p in list(owner._parameters.items()):
                 if p is not None:
-                    owner._parameters[key] = _adopted_parameter(at + key, p, dst.pop(at + key), device)
+                    if id(p) not in adopted:
+                        adopted[id(p)] = _adopted_parameter(at + key, p, dst.pop(at + key), device)
+                    owner._parameters[key] = adopted[id(p)]
             for key, b in list(owner._buffers.items()):
                 if b is not None:
                     owner._buffers[key] = _adopted_tensor(at + key, b, dst.pop(at + key).reshape(b.shape), device)

@@ -161,12 +161,9 @@ def check_switchable(module: nn.Module, optimizers) -> None:
     if isinstance(module, FSDPModule):
         raise ValueError("fully_shard was applied to the LightningModule itself: apply it to the modules it holds "
                          "(e.g. `fully_shard(self.model, mesh=...)`), so a switch can replace them")
-    seen: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ValueError(f"parameters {seen[id(p)]!r} and {name!r} are one tied tensor: switches do not carry "
-                             "tied weights yet; untie them (e.g. give the output projection its own weight)")
-        seen[id(p)] = name
+    # A tied tensor (one parameter under two names) is one state under its first name: captured and moved once,
+    # and the target, parallelised by the same code, ties it again (a target that does not is refused when built).
+    for name, p in module.named_parameters():
         if dtype_name(p) not in DTYPE_ITEMSIZE:
             raise ValueError(f"parameter {name!r} has dtype {p.dtype}, which a switch cannot move")
     for name, b in module.named_buffers():

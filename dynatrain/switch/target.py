@@ -58,12 +58,22 @@ class ModuleTemplate:
 
 def to_meta(module: nn.Module) -> None:
     """Move the module's parameter-holding children (and its own parameters) to meta; metrics and other children
-    without parameters keep their state."""
-    for n in param_children(module):
-        module._modules[n].to("meta")
-    for n, p in list(module._parameters.items()):
-        if p is not None:
-            module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    without parameters keep their state. A tied parameter stays one (`Module.to` would give each user its own)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            new = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+            memo[id(t)] = memo[id(new)] = new  # a module two children share is met twice
+        return memo[id(t)]
+
+    owners = [module._modules[n] for n in param_children(module)]
+    for owner in [m for child in owners for m in child.modules()] + [module]:
+        for table in (owner._parameters, owner._buffers) if owner is not module else (owner._parameters,):
+            for n, t in list(table.items()):
+                if t is not None:
+                    table[n] = meta(t)
 
 
 def param_children(module: nn.Module) -> list[str]:

@@ -30,6 +30,7 @@ import dynatrain
 from dynatrain.data.iterable import IterableTokenWindows
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
+from dynatrain.models.auto_parallel import tied_groups
 
 sys.path.insert(0, str(Path(__file__).parent))
 from user_switch import _snapshot  # noqa: E402
@@ -93,8 +94,8 @@ def build_model(name: str, heads: int = 4) -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
-            num_key_value_heads=2 if heads % 2 == 0 else heads, max_position_embeddings=64,
+            vocab_size=256, hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=2 if heads % 2 == 0 else heads, max_position_embeddings=64,
             tie_word_embeddings=name == "llama-tied"))
     if name == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -306,6 +307,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "reports": [r.as_dict() for r in strategy.switch_reports],
         "errors": script.errors,
+        "tied": tied_groups(module),
         "untouched": script.untouched,
         "error": error,
         "accumulation": trainer.accumulate_grad_batches,
