@@ -82,9 +82,26 @@ def test_a_process_killed_mid_step_is_recovered_from_replicas(tmp_path, static_l
         [rec] = m["recoveries"]
         assert rec["step"] == 3 and rec["lost"] == ["000000-000003"] and rec["new_layout"] == "dp_shard=3", rec
         assert rec["seconds"] < 60, rec  # bounded by the process-group timeout, not a hang
+        # every shard of rank 3's twin rank 1 had no other holder; ranks 0 and 2 compared theirs before using them
+        assert rec["replicas_compared"] > 0, rec
     assert sorted(m["global_rank"] for m in members[:3]) == [0, 1, 2]
     losses = members[0]["losses"]
     assert len(losses) == STEPS and all(_close(a, b) for a, b in zip(losses, static_losses)), (losses, static_losses)
+
+
+@pytest.mark.timeout(300)
+def test_survivors_whose_replicas_differ_stop_instead_of_training_on_either(tmp_path):
+    """Rank 2's copy of a state that rank 0 also holds ran an update rank 0's did not (a test double of work a GPU
+    queued behind the collective that failed): the survivors compare before recovering, and every one of them stops
+    with the states named, so the job resumes from its snapshot."""
+    with pytest.raises(AssertionError) as err:
+        launch_elastic("elastic.py", 4, ["--layout", "dp_replicate=2,dp_shard=2", "--steps", str(STEPS),
+                                         "--crash", "3:3", "--diverge", "3:2", "--timeout", "30"],
+                       tmp_path, may_die=[3], grace=120, timeout=280)
+    text = str(err.value)
+    assert "ranks [0, 1, 2] failed" in text and "cannot be rebuilt in memory" in text, text[-3000:]
+    assert "copies of 1 state(s) differ" in text and ".exp_avg: box" in text and "[0] / [2]" in text, text[-3000:]
+    assert "resume from the latest snapshot" in text, text[-3000:]
 
 
 @pytest.mark.timeout(200)

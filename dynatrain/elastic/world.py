@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from dynatrain.elastic.broken_world import abort_groups, let_python_see_nccl_errors
+
 MATCH_FIELDS = ("model_config_hash", "code_version")
 
 
@@ -111,6 +113,7 @@ class WorldGeneration:
                 f"(arrived: {[m for m in members if m not in missing]}); drop them from the member list and form "
                 f"generation {generation + 1}, or raise the timeout") from None
 
+        let_python_see_nccl_errors(backend)  # before the group exists: NCCL reads it when a group is made
         try:
             # The group's timeout is also every later collective's: the full timeout, not what the wait left.
             dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/pg/", store),
@@ -123,21 +126,33 @@ class WorldGeneration:
                        f"{timeout:.1f}s after every member arrived (a member died or hung): {e}") from None
         return cls(store, generation, members, member_id, backend, timeout)
 
-    def leave(self, barrier: bool = True) -> None:
-        """Destroy this generation's group. ``barrier=False`` when a peer may be gone (it would only time out)."""
-        if not self.active:
+    def leave(self) -> None:
+        """Destroy this generation's groups, every member together (a barrier first)."""
+        if not self._release():
             return
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            warnings.warn(f"generation {self.generation}: barrier before leaving failed ({e}); destroying "
+                          f"the group anyway", stacklevel=2)
+        dist.destroy_process_group()
+
+    def abort(self) -> str:
+        """End this generation's groups when a peer may be gone: no barrier (it would only time out), and an abort
+        instead of a destroy, which on NCCL waits for work the dead peer never joins (`broken_world`). Returns
+        how the groups ended (`abort_groups`)."""
+        if not self._release():
+            return "none"
+        return abort_groups()
+
+    def _release(self) -> bool:
+        if not self.active:
+            return False
         self.active = False
-        # Dead DTensors and pending work of the old group must be released before the group is destroyed;
+        # Dead DTensors and pending work of the old group must be released before the group is ended;
         # skipping this aborts about one exit in ten with "terminate called without an active exception".
         gc.collect()
-        if barrier:
-            try:
-                dist.barrier()
-            except RuntimeError as e:
-                warnings.warn(f"generation {self.generation}: barrier before leaving failed ({e}); destroying "
-                              f"the group anyway", stacklevel=2)
-        dist.destroy_process_group()
+        return True
 
     def next_generation(self, members: Iterable[str], timeout: float | None = None,
                         ordered: bool = False) -> "WorldGeneration | None":

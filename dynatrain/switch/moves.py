@@ -18,7 +18,7 @@ from torch import nn
 
 from dynatrain import engine
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
-from dynatrain.switch import verify
+from dynatrain.switch import replicas, verify
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.in_world import InWorldPrep, in_world_inputs, plan_in_world, planner_rank_map
 from dynatrain.switch.payload import JoinPayload, decode_kept, encode_kept
@@ -272,7 +272,9 @@ class Recovery(Move):
     last step that completed everywhere (the update is local and runs only after the step's collectives). So when
     every shard the lost processes held also lives on a survivor (``dp_replicate >= 2``, or TP-replicated states),
     the survivors hold the whole committed state: the plan starts from the old layout with the lost processes'
-    data unreadable and ends on a layout for the survivors.
+    data unreadable and ends on a layout for the survivors. On a GPU the update may already be queued behind a
+    collective that failed and run on some survivors only, so their copies are compared first (`switch.replicas`):
+    copies that differ stop the recovery instead of being trained on.
     """
 
     kind = "recovery"
@@ -284,6 +286,7 @@ class Recovery(Move):
         self.targets, self.cause = targets, cause
         self.world: Any = None
         self.lost: list[str] = []
+        self.checked: replicas.Comparison | None = None  # the survivors' copies compared before recovering from them
 
     def verified(self, ctx: SwitchContext) -> bool:
         return False  # the lost processes' checksums are gone with them
@@ -294,19 +297,25 @@ class Recovery(Move):
         positions = list(ctx.positions)
         self.targets.forget_builds()
         ctx.forget_meshes(drop_groups=True)
-        old_world.leave(barrier=False)
-        survivors = manager.agree_on_survivors({"step": step})
+        old_world.abort()  # before hashing: work queued behind the failed collective ends (or runs) first
         members = list(old_world.members)
+        captured = held.captured
+        old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=positions)
+        mine = replicas.local_sums(old_layout, members.index(manager.member_id), captured.sources,
+                                   replicas.kept_scalars(held.kept))
+        survivors = manager.agree_on_survivors({"step": step, "replicas": mine.to_json()})
         self.lost = [m for m in members if m not in survivors]
         steps = sorted({int(info["step"]) for info in survivors.values()})
         if len(steps) != 1:
             raise RecoveryStop(f"the survivors stopped at different optimizer steps {steps}")
+        self.checked = replicas.compare(old_layout, {members.index(m): replicas.ReplicaSums.from_json(info["replicas"])
+                                                     for m, info in survivors.items()})
+        if self.checked.differing:
+            raise RecoveryStop(replicas.explain(self.checked.differing, members))
         new_members = sorted(survivors)
         rank_of = {members.index(m): new_members.index(m) for m in new_members}  # plan id (old rank) -> new rank
         self.world = manager.reform(new_members)
         ctx.enter_world(self.world.rank, self.world.world_size)
-        captured = held.captured
-        old_layout = Layout.from_shardings(captured.specs, captured.shardings, old_cfg, rank_map=positions)
         try:
             target = survivors_target(ctx, len(new_members))
             target_layout, _ = self.targets.layout(target, captured, probe=True)
@@ -328,4 +337,4 @@ class Recovery(Move):
         ctx.on_recovered(RecoveryReport(
             step=report.step, lost=self.lost, survivors=report.world_size, old_layout=report.old_layout,
             new_layout=report.new_layout, bytes_moved=report.bytes_moved, seconds=report.stall_s, cause=self.cause,
-            phases=report.phases))
+            phases=report.phases, replicas_compared=self.checked.compared if self.checked else 0))

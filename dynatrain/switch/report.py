@@ -71,6 +71,7 @@ class RecoveryReport:
     seconds: float
     cause: str
     phases: dict
+    replicas_compared: int = 0  # regions and scalars two or more survivors held, found equal before recovering
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

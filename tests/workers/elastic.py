@@ -87,6 +87,22 @@ class Crash(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Diverge(pl.Callback):
+    """A test double of a survivor whose GPU ran work its peers never did (an optimizer update queued behind the
+    collective that failed): in the step where a peer is killed, this process's copy of the first parameter's Adam
+    moment changes, which its replica on another survivor does not see."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_step == self.step and int(os.environ.get("RANK", "-1")) == self.rank:
+            optimizer = trainer.optimizers[0]
+            exp_avg = optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"]
+            with torch.no_grad():
+                exp_avg.to_local().view(-1)[0] += 1e-3
+
+
 class Preempt(pl.Callback):
     """The cluster's notice: SIGTERM to one rank, once, at the start of an optimizer step."""
 
@@ -125,6 +141,7 @@ def main() -> None:
     ap.add_argument("--preempt", default="", help="STEP:RANK gets SIGTERM (ElasticCallback with preemption on)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--crash", default="", help="STEP:RANK is SIGKILLed in the middle of that optimizer step")
+    ap.add_argument("--diverge", default="", help="STEP:RANK changes its copy of a replicated state in that step")
     ap.add_argument("--prepared-signal", default=None, metavar="LAYOUT@FILE", help="rank 0 creates FILE once a "
                     "world change to LAYOUT, waiting for joiners, is being prepared in the background")
     ap.add_argument("--start-after", default=None, help="a joiner starts training only once this file exists")
@@ -152,6 +169,8 @@ def main() -> None:
     callbacks = [script]
     if args.crash:
         callbacks.append(Crash(*(int(x) for x in args.crash.split(":"))))
+    if args.diverge:
+        callbacks.append(Diverge(*(int(x) for x in args.diverge.split(":"))))
     if args.preempt:
         from dynatrain.callbacks import ElasticCallback
 
