@@ -228,6 +228,56 @@ def test_threads_split_the_tasks_without_changing_the_sum(monkeypatch):
     assert sums[0] == sums[1] == sums[2]
 
 
+def test_the_gpus_bounded_parts_cover_each_element_once_and_sum_alike(monkeypatch):
+    """The way a GPU hashes (parts of at most a fixed number of units, summed on the device), run on the CPU with a
+    small limit: every part within it, every element in exactly one part, the sum bit for bit the whole's."""
+    from dynatrain.engine import placed_sums
+    from dynatrain.engine.placed_sums import _checksum, bounded_parts, wrap64
+
+    limit = 1000
+    monkeypatch.setattr(placed_sums, "_CHUNK_ACCELERATOR", limit)
+    g = torch.Generator().manual_seed(6)
+    cases = [((), torch.float32), ((5000,), torch.float32), ((3, 5000), torch.bfloat16), ((2, 3, 700), torch.float32),
+             ((40, 300), torch.float64), ((17, 1), torch.int8), ((9, 20, 30), torch.float16)]
+    for shape, dtype in cases:
+        full = random_bits(shape, dtype, g)
+        for local, ix in [(full, [range(n) for n in shape]),
+                          (full, [torch.randperm(n, generator=g) for n in shape]),  # any global indices
+                          (full.transpose(0, -1), [range(n) for n in reversed(shape)])]:  # a non-contiguous local
+            glob = tuple(len(i) for i in ix)
+            want = indexed_checksum(local, ix, glob)
+            assert wrap64(int(_checksum(local, ix, glob, bounded=True))) == want, (shape, dtype)
+            per = max(1, local.element_size() // 4)
+            ids = torch.arange(local.numel()).reshape(local.shape)
+            seen = []
+            for part, part_ix in bounded_parts(ids, list(ix), limit // per):
+                assert part.numel() <= max(limit // per, 1) and [len(i) for i in part_ix] == list(part.shape)
+                seen.append(part.reshape(-1))
+            assert torch.equal(torch.cat(seen).sort().values, torch.arange(local.numel())), (shape, dtype)
+
+
+def test_piece_sums_add_per_state_as_the_pieces_checksums_do():
+    from dynatrain.engine.placed_sums import PieceSums, wrap64
+
+    g = torch.Generator().manual_seed(8)
+    full = torch.randn(30, 50, generator=g)
+    boxes = [(0, (0, 0), (10, 50)), (1, (10, 0), (30, 20)), (0, (10, 20), (30, 50)), (1, (0, 0), (0, 50))]
+    want = [0, 0]
+    before = torch.get_num_threads()
+    with PieceSums(2) as sums:
+        assert torch.get_num_threads() == 1
+        for state, lo, hi in boxes:
+            ix = [range(a, b) for a, b in zip(lo, hi)]
+            box = full[lo[0]:hi[0], lo[1]:hi[1]]
+            sums.add(state, box, ix, (30, 50))
+            want[state] += indexed_checksum(box, ix, (30, 50))
+    assert torch.get_num_threads() == before
+    assert sums.totals() == [wrap64(w) for w in want]
+    assert wrap64(sum(sums.totals()[:1])) == wrap64(indexed_checksum(full[:10], [range(10), range(50)], (30, 50))
+                                                    + indexed_checksum(full[10:, 20:], [range(10, 30), range(20, 50)],
+                                                                       (30, 50)))
+
+
 def test_non_contiguous_indices_hash_each_element_at_its_own_index():
     g = torch.Generator().manual_seed(1)
     full = torch.randn(8, 5, generator=g)

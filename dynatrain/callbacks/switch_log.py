@@ -24,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
+from dynatrain.switch.report import DEVICE_FIELDS  # recorded and logged where a report has them (CUDA)
 from dynatrain.vps.parallel_config import ParallelConfig
 
 JSONL_NAME = "switches.jsonl"
@@ -100,7 +101,7 @@ def switch_record(report: Any, decision: Mapping | None = None) -> dict:
         "prepared": bool(d.get("prepared")),
         "decision": dict(decision) if decision else None,
     }
-    for key in ("expert_imbalance", "expert_imbalance_per_layer"):  # kept when a jsonl line is read back
+    for key in ("expert_imbalance", "expert_imbalance_per_layer", *DEVICE_FIELDS):  # kept when read back
         if d.get(key) is not None:
             record[key] = d[key]
     return record
@@ -110,7 +111,7 @@ def switch_metrics(record: Mapping) -> dict[str, float]:
     """The ``switch/...`` metrics of one record; fields the report left empty are left out, not logged as 0."""
     out: dict[str, float] = {}
     for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size", "expert_imbalance",
-                "compile_s"):
+                "compile_s", *DEVICE_FIELDS):
         if record.get(key) is not None:
             out[f"switch/{key}"] = float(record[key])
     for phase, seconds in (record.get("phases") or {}).items():

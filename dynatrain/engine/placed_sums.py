@@ -36,7 +36,8 @@ shards of a 125m-like model (12 layers of width 768, 50257 embeddings) with Adam
 about 0.03 ms per state (1000 small tensors: 0.035 s, against 0.045 s). Once per process, the check that
 `torch._int_mm` is exact: 0.04 to 0.15 s; where it is missing or inexact, the elementwise way: 0.46 s/GiB of
 float32, 1.2 of bfloat16. A switch sums each rank's share twice (before and after). On a GPU the elementwise way
-runs in 4 Mi-unit chunks with one host transfer per call of `local_sums` (not measured: no GPU was lent).
+runs in parts of 4 Mi units (`bounded_parts`: at most 256 MiB of temporaries, whatever the state's size) with one
+host transfer per call of `local_sums` or per `PieceSums` (not measured here: bench/gpu_check.sh measures it).
 Measure with
 
     .venv/bin/python -m dynatrain.engine.placed_sums --gib 1 --threads 1     # add --dtype bfloat16, --threads 2
@@ -173,7 +174,14 @@ _M31, _M64 = (1 << 31) - 1, (1 << 64) - 1
 _GAMMA, _C1, _C2 = (wrap64(x) for x in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 _MM_BYTES = 1 << 20  # bytes per matrix product (rows at least 256): fewer calls, the weights packed less often
 _CHUNK = 1 << 15  # units per step of the elementwise way on a CPU (int64 temporaries of 256 KiB)
-_CHUNK_ACCELERATOR = 1 << 22  # on a GPU: fewer kernel launches (not measured here)
+# On a GPU a tensor is hashed in parts whose temporaries together stay within `_DEVICE_TEMP_BYTES`: the check runs
+# after the engine's transfer, outside its memory bound, so it may not build a state-sized copy (a strided piece made
+# contiguous, its units widened to int64, per-row weights) beside the state. `_TEMP_PER_UNIT` covers every
+# temporary of the elementwise way per unit (the contiguous copy, the xor, the int64 product, and the row weights
+# when a row is a single unit); a part is one kernel step, so launches stay few.
+_DEVICE_TEMP_BYTES = 256 << 20
+_TEMP_PER_UNIT = 64
+_CHUNK_ACCELERATOR = _DEVICE_TEMP_BYTES // _TEMP_PER_UNIT
 _THREADED_BYTES = 8 << 20  # below this a tensor is hashed on the calling thread alone
 _tables: dict = {}  # `_weights`' tables by (unit size, device, digits), and whether `_int_mm` is exact
 
@@ -215,12 +223,20 @@ def _serial():
             torch.set_num_threads(n)
 
 
-def _checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int], threads: int = 1) -> torch.Tensor:
+def _checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int], threads: int = 1,
+              bounded: bool | None = None) -> torch.Tensor:
     """`indexed_checksum` as a 0-d int64 tensor on ``local``'s device (no host synchronisation but on a CPU), with
-    up to ``threads`` Python threads (a CPU, torch held at one thread by the caller)."""
+    up to ``threads`` Python threads (a CPU, torch held at one thread by the caller). ``bounded`` (default: off a
+    CPU): hashed in `bounded_parts` of `_CHUNK_ACCELERATOR` units, summed on the device; each unit's term depends
+    on its bits and global index alone, so the sum is the same bit for bit."""
     dev = local.device
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=dev)
+    if bounded if bounded is not None else dev.type != "cpu":
+        per = max(1, local.element_size() // 4)
+        parts = [_checksum(part, ix, shape, threads, bounded=False)
+                 for part, ix in bounded_parts(local, list(indices), max(1, _CHUNK_ACCELERATOR // per))]
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
     size = local.element_size()
     shape, indices = tuple(shape), list(indices)
     if not shape:  # a 0-d tensor: one element at index 0
@@ -283,6 +299,63 @@ def _checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int
             ends.append(i + 1)
     starts = [0] + ends[:-1]
     return torch.stack(list(_pool(workers).map(run, [tasks[a:e] for a, e in zip(starts, ends)]))).sum()
+
+
+def bounded_parts(local: torch.Tensor, indices: list[Index], limit: int, d: int = 0):
+    """(view, its indices) of ``local`` cut along its leading dimensions into parts of at most ``limit`` elements
+    (a 0-d tensor whole): a part is a run of slices of dimension ``d`` when one slice fits, else each slice is cut
+    along the next dimension. Views only: nothing is copied."""
+    if local.numel() <= limit or d >= local.dim():
+        yield local, indices
+        return
+    inner = math.prod(local.shape[d + 1:])
+    step = 1 if inner > limit else limit // inner
+    for i in range(0, local.shape[d], step):
+        part = local[(slice(None),) * d + (slice(i, i + step),)]
+        ix = indices[:d] + [indices[d][i:i + step]] + indices[d + 1:]
+        if inner > limit:
+            yield from bounded_parts(part, ix, limit, d + 1)
+        else:
+            yield part, ix
+
+
+class PieceSums:
+    """Checksums of pieces (any boxes of the states' local tensors) added up per state, kept on their device until
+    `totals` reads them all at once: on a GPU, reading each piece's sum as it is made would wait for the device
+    once per box. Use as a context (torch held at one intra-op thread inside, as `indexed_checksum` does)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._serial = _serial()
+        self.threads = 1
+
+    def __enter__(self) -> PieceSums:
+        self.threads = self._serial.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._serial.__exit__(*exc)
+
+    def add(self, i: int, local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]) -> None:
+        """Add the checksum of ``local`` (entries at ``indices`` of a tensor of ``shape``) to state ``i``."""
+        self._pending.append((i, _checksum(local, indices, shape, self.threads)))
+
+    def totals(self) -> list[int]:
+        """Per state, its pieces' sum modulo 2**64 (signed): one host transfer per device."""
+        out = [0] * self.n
+        for i, value in _to_host(self._pending):
+            out[i] += value
+        return [wrap64(x) for x in out]
+
+
+def _to_host(pending: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
+    """(key, value) of 0-d tensors, read with one transfer per device: the one wait for a GPU's queued hashing."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, x in pending:
+        by_device.setdefault(x.device, []).append((i, x))
+    return [(i, value) for items in by_device.values()
+            for (i, _), value in zip(items, torch.stack([x for _, x in items]).tolist())]
 
 
 def _pool(workers: int):
@@ -594,12 +667,8 @@ def _hash_states(out: StateSums, tensors, scalars, threads: int) -> None:
         except ValueError as e:
             out.bad[i] = 1
             out.problems[name] = str(e)
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, x in pending:
-        by_device.setdefault(x.device, []).append((i, x))
-    for items in by_device.values():
-        for (i, _), value in zip(items, torch.stack([x for _, x in items]).tolist()):
-            out.sums[i] = wrap64(value)
+    for i, value in _to_host(pending):
+        out.sums[i] = wrap64(value)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

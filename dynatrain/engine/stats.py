@@ -24,6 +24,14 @@ class TransitionStats:
     flight_bytes: int = 0  # what a phase may hold doubled: half the budget, or this rank's largest local tensor
     peak_bytes: int = 0  # max over the switch of live sources + live destinations + staging
     copy_threads: int | None = None  # intra-op threads of the copies (CPU only)
+    # CUDA only (None elsewhere), the caching allocator's bytes (`engine.device_memory`): at the start, their peaks
+    # over the transfer, the bound its reserved bytes are kept within, and how often its cache was given back for it.
+    device_start_allocated: int | None = None
+    device_start_reserved: int | None = None
+    device_peak_allocated: int | None = None
+    device_peak_reserved: int | None = None
+    device_reserved_bound: int | None = None
+    cache_releases: int | None = None
     seconds_pack: float = 0.0
     seconds_wire: float = 0.0  # posting and waiting (local copies run while the wire is busy)
     seconds_local: float = 0.0

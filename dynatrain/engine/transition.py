@@ -19,7 +19,8 @@ the receiver views the bytes as the piece's dtype without a copy. Mixed dtypes i
 
 Memory: live bytes = live sources + live destinations + staging, tracked at every allocation and free and
 returned as ``peak_bytes``. Sources are dropped from the caller's dict (the engine takes ownership), so the
-memory really goes back to the allocator when the caller holds no other reference.
+memory really goes back to the allocator when the caller holds no other reference. On CUDA the bound is kept for
+the caching allocator's reserved bytes too, and its peaks are reported (`engine.device_memory`).
 
 Nothing here knows the device: CPU tensors with gloo, CUDA tensors with NCCL (CUDA phases are synchronised
 for timing only).
@@ -35,6 +36,7 @@ On CPU the copies run with fewer intra-op threads than the process has (`engine.
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -50,6 +52,7 @@ from dynatrain.engine.checks import (
     validate_sources,
 )
 from dynatrain.engine.copy_threads import intra_op_threads
+from dynatrain.engine.device_memory import DeviceMemory
 from dynatrain.engine.stats import LiveBytes, TransitionStats
 from dynatrain.engine.wire import WireOp, box_view, in_place, local_box, recv_staged, send_staged, slots, split_message
 from dynatrain.planner.routing import Transfer
@@ -218,12 +221,6 @@ class _RankTransition:
     def prepare(self) -> None:
         """Free what nothing reads, allocate the empty destinations, split every round into wire operations and
         allocate the staging buffer once, for the largest round's packed operations."""
-        for name in [n for n, c in self.uses.items() if c == 0]:
-            self._free_source(name)  # nothing (more) reads it
-        # Destinations with no element: allocate now (zero bytes), so every state comes back.
-        for name, sh in self.dst_shards.items():
-            if sh.numel == 0:
-                self._get_dst(name)
         rp, old, new = self.rp, self.plan.old, self.plan.new
         self.wire = [([op for m in rp.sends[k] for op in split_message(m, old, new, m.dst)],
                       [op for m in rp.recvs[k] for op in split_message(m, old, new, m.src)])
@@ -233,9 +230,19 @@ class _RankTransition:
             _, end = slots(sends, 0, send_staged)
             _, end = slots(recvs, end, recv_staged)
             size = max(size, end)
-        self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.stats.staging_bytes = size
+        # From here the bound holds for the allocator's reserved bytes too (a GPU's cache of freed blocks): measured
+        # while every source is still held, so what the switch may add beyond them is the bound less the live bytes.
+        self.device_memory = DeviceMemory(self.device, self.stats.peak_bound - self.live.now)
+        for name in [n for n, c in self.uses.items() if c == 0]:
+            self._free_source(name)  # nothing (more) reads it
+        self.device_memory.make_room(size)
+        self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.live.add(size)
+        # Destinations with no element: allocate now (zero bytes), so every state comes back.
+        for name, sh in self.dst_shards.items():
+            if sh.numel == 0:
+                self._get_dst(name)
         self.dtypes = {s.name: torch_dtype(s.dtype) for s in old.states}
 
     # ---- one round ------------------------------------------------------------------------------------------
@@ -359,6 +366,8 @@ class _RankTransition:
         if missing:
             raise TransitionError(f"rank {rank}: the plan delivered nothing into destination tensors {missing}")
         self.stats.peak_bytes = self.live.peak
+        for key, value in self.device_memory.figures().items():
+            setattr(self.stats, key, value)
         self.stats.seconds_total = time.perf_counter() - t_start
         return self.dst, self.stats
 
@@ -373,6 +382,7 @@ class _RankTransition:
         t = self.dst.get(name)
         if t is None:
             shape, dtype = self.dst_spec[name]
+            self.device_memory.make_room(math.prod(shape) * torch_dtype(dtype).itemsize)
             t = self.dst[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
             self.live.add(t.numel() * t.element_size())
         return t

@@ -34,7 +34,7 @@ from dynatrain.switch import verify
 from dynatrain.switch.adopt import adopt_module, adopt_optimizer
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.moves import Build, Move, Planned
-from dynatrain.switch.report import PhaseTimer, SwitchReport
+from dynatrain.switch.report import DEVICE_FIELDS, PhaseTimer, SwitchReport
 from dynatrain.switch.states import hold, release
 from dynatrain.switch.target import transplant
 
@@ -192,6 +192,7 @@ def _report(ctx: SwitchContext, move: Move, planned: Planned, stats: TransitionS
         rounds=plan.num_rounds, rank_map=[] if left else list(planned.target_ranks), peak_bytes=stats.peak_bytes,
         peak_bound=stats.peak_bound, verified=verified, phases=timer.phases, old_world_size=old.world_size,
         prepared=planned.prepared, heap_trimmed=heap_trimmed,
+        **{k: getattr(stats, k) for k in DEVICE_FIELDS},
     )
     move.report(ctx, report)
     return report

@@ -7,6 +7,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 
+# A GPU's caching allocator over the transfer, from `TransitionStats` (None off CUDA).
+DEVICE_FIELDS = ("device_peak_allocated", "device_peak_reserved", "device_reserved_bound", "cache_releases")
+
+
 @dataclass
 class SwitchReport:
     """One layout switch, as every rank saw it (bytes and peak are this rank's unless named total)."""
@@ -32,6 +36,13 @@ class SwitchReport:
     # The freed heap was given back to the OS after the switch (`memory.release_freed_memory`): the next step maps
     # its working memory again.
     heap_trimmed: bool = False
+    # On CUDA (None elsewhere), the caching allocator over the transfer (`engine.device_memory`): its peaks of allocated
+    # and reserved bytes (reserved holds freed blocks kept for reuse, and is what the device lacks), the bound the
+    # reserved bytes are kept within, and how often the cache was given back to keep it.
+    device_peak_allocated: int | None = None
+    device_peak_reserved: int | None = None
+    device_reserved_bound: int | None = None
+    cache_releases: int | None = None
 
     @property
     def verify_share(self) -> float | None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dynatrain.engine import placed_sums
-from dynatrain.engine.placed_sums import StateSums, indexed_checksum, placed_indices, wrap64
+from dynatrain.engine.placed_sums import StateSums, placed_indices, wrap64
 from dynatrain.engine.wire import local_box
 from dynatrain.switch.capture import local_tensor
 from dynatrain.switch.context import SwitchContext
@@ -84,10 +84,10 @@ def _region(shards, shard: int, box) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return local_box(shards.offsets[shard], box)
 
 
-def _piece_sum(local: torch.Tensor, indices: list, shape: tuple[int, ...], lo, hi) -> int:
+def _piece(local: torch.Tensor, indices: list, lo, hi) -> tuple[torch.Tensor, list]:
+    """(the box ``lo:hi`` of ``local``, its global indices)."""
     view = local.reshape(1) if local.dim() == 0 else local
-    view = view[tuple(slice(a, b) for a, b in zip(lo, hi))]
-    return indexed_checksum(view, [ix[a:b] for ix, a, b in zip(indices, lo, hi)], shape)
+    return view[tuple(slice(a, b) for a, b in zip(lo, hi))], [ix[a:b] for ix, a, b in zip(indices, lo, hi)]
 
 
 def _same(a, b) -> bool:
@@ -110,18 +110,19 @@ def before(held, plan, me: int) -> Before:
     at = {n: i for i, n in enumerate(names)}
     rp, memo = plan.rank_plan(me), {}
     sources = held.captured.sources
-    for messages in rp.sends:
-        for message in messages:
-            for t in message.pieces:
-                lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
-                indices = _indices(tensors[t.state], memo)
-                out.sent[at[t.state]] += _piece_sum(sources[t.state], indices, shapes[t.state], lo, hi)
+    with placed_sums.PieceSums(len(names)) as sent:  # read once at the end, not once per piece
+        for messages in rp.sends:
+            for message in messages:
+                for t in message.pieces:
+                    lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
+                    indices = _indices(tensors[t.state], memo)
+                    sent.add(at[t.state], *_piece(sources[t.state], indices, lo, hi), shapes[t.state])
+    out.sent = sent.totals()
     for copies in rp.local_copies:
         for t in copies:
             lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
             indices = _indices(tensors[t.state], memo)
             out.copies.append((t, [ix[a:b] for ix, a, b in zip(indices, lo, hi)]))
-    out.sent = [wrap64(x) for x in out.sent]
     return out
 
 
@@ -146,7 +147,7 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
     names, at = old.names, {n: i for i, n in enumerate(old.names)}
     shapes = {s.name: tuple(s.shape) for s in plan.new.states}
     tensors, scalars = _live(ctx.module, ctx.optimizer(), schedulers)
-    received, bad = [0] * len(names), [0] * len(names)
+    bad = [0] * len(names)
     problems: dict[str, str] = {}
     memo: dict = {}
     cover: dict[str, list] = {}
@@ -156,17 +157,19 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
         problems.setdefault(state, why)
 
     rp = plan.rank_plan(me)
-    for messages in rp.recvs:
-        for message in messages:
-            for t in message.pieces:
-                lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
-                cover.setdefault(t.state, []).append((lo, hi))
-                try:
-                    live = tensors[t.state]
-                    received[at[t.state]] += _piece_sum(local_tensor(live), _indices(live, memo), shapes[t.state],
-                                                        lo, hi)
-                except (KeyError, ValueError, IndexError) as e:
-                    fault(t.state, f"a received piece has no place in the adopted tensor ({e})")
+    with placed_sums.PieceSums(len(names)) as got:  # read once at the end, not once per piece
+        for messages in rp.recvs:
+            for message in messages:
+                for t in message.pieces:
+                    lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
+                    cover.setdefault(t.state, []).append((lo, hi))
+                    try:
+                        live = tensors[t.state]
+                        got.add(at[t.state], *_piece(local_tensor(live), _indices(live, memo), lo, hi),
+                                shapes[t.state])
+                    except (KeyError, ValueError, IndexError) as e:
+                        fault(t.state, f"a received piece has no place in the adopted tensor ({e})")
+    received = got.totals()
     for t, src_indices in old.copies:  # this process's own, also after a `reduce`
         lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
         cover.setdefault(t.state, []).append((lo, hi))
