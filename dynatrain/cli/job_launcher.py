@@ -4,7 +4,15 @@ The launcher starts the job's store (a process of its own, so any rank may leave
 process per device, as torchrun would) and a standby pool of joiners that wait, already set up, for a
 scale-out. A member that leaves exits with status 0; its slot in the pool is refilled with a fresh joiner while
 the job runs. Across machines, start the members with torchrun or SLURM variables and
-``$DYNATRAIN_ENDPOINT``/``$DYNATRAIN_TOKEN``, and add processes with `dynatrain join`.
+``$DYNATRAIN_ENDPOINT``/``$DYNATRAIN_TOKEN``, and add processes with `dynatrain join` (``--device`` or
+``$LOCAL_RANK`` picks its GPU).
+
+Every process it starts gets a device of its own, as torchrun's workers do: ``$LOCAL_RANK``, an index among the
+visible GPUs (torchrun sets no ``CUDA_VISIBLE_DEVICES``; Lightning trains a member on ``cuda:$LOCAL_RANK``). A
+member's is its rank; a standby process's is the lowest index no live process of the job holds, which
+`dynatrain join` makes its only visible GPU. A process keeps its device for its life, through leaving and
+waiting again as a standby, so two processes never share one: at most ``max_devices`` run at once, one per index
+below it.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV, initial_member
@@ -50,6 +59,31 @@ def split_elastic_args(argv: list[str]) -> tuple[dict, list[str]]:
             rest.append(arg)
         i += 1
     return opts, rest
+
+
+def member_env(env: dict[str, str], rank: int, devices: int) -> dict[str, str]:
+    """The environment of initial member ``rank`` of ``devices``: its identity and its device, as torchrun's."""
+    out = dict(env, RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(devices),
+               NODE_RANK="0")
+    return launch_env(out, devices)
+
+
+def standby_env(env: dict[str, str], device: int) -> dict[str, str]:
+    """The environment of a standby process (`dynatrain join`) on local device ``device``: no rank (the job gives
+    it one when it admits it), one thread while it waits (its share once admitted)."""
+    out = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}
+    out["LOCAL_RANK"] = str(device)
+    return launch_env(out, 1, start=1)
+
+
+def free_device(taken: Iterable[int], devices: int) -> int:
+    """The lowest local device index below ``devices`` that no live process holds."""
+    held = set(taken)
+    for d in range(devices):
+        if d not in held:
+            return d
+    raise RuntimeError(f"every one of the {devices} local devices is held by a live process ({sorted(held)}): "
+                       "no standby process can start until one ends")
 
 
 def _config_devices(argv: list[str]) -> int | None:
@@ -90,9 +124,11 @@ class ElasticLauncher:
         self.host = opts.get("host", "127.0.0.1")
         self.config = {"max_devices": self.max_devices, "join_timeout": opts.get("join_timeout", 300.0),
                        "timeout": opts.get("timeout", 120.0)}
-        # pid -> (process, "member" | "standby" | "leaving"), and the rank of each process started as a member
+        # pid -> (process, "member" | "standby" | "leaving"), the rank of each process started as a member, and
+        # each process's local device (`free_device`)
         self.procs: dict[int, tuple[subprocess.Popen, str]] = {}
         self.ranks: dict[int, int] = {}
+        self.devices_of: dict[int, int] = {}
 
     def run(self) -> int:
         """Run the job; after a fault its processes could not recover from in memory, start it again from its
@@ -138,7 +174,7 @@ class ElasticLauncher:
         print(f"dynatrain elastic job: store {store_proc.endpoint}, {devices} processes, up to "
               f"{self.max_devices}; add one with: dynatrain join --endpoint {store_proc.endpoint} "
               f"--token-file {token_file}", flush=True)
-        self.procs, self.ranks = {}, {}
+        self.procs, self.ranks, self.devices_of = {}, {}, {}
         try:
             for rank in range(devices):
                 self._start_member(rank, devices, argv)
@@ -168,20 +204,18 @@ class ElasticLauncher:
         return sum(1 for p in members if p.poll() is None or p.returncode >= 0)
 
     def _start_member(self, rank: int, devices: int, argv: list[str]) -> None:
-        env = dict(self.env, RANK=str(rank), WORLD_SIZE=str(devices), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(devices), NODE_RANK="0")
-        env = launch_env(env, devices)
-        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", *argv], env=member_env(self.env, rank, devices))
         self.procs[proc.pid] = (proc, "member")
-        self.ranks[proc.pid] = rank
+        self.ranks[proc.pid] = self.devices_of[proc.pid] = rank
 
     def _start_standby(self) -> None:
-        """A process that waits to join: exactly what `dynatrain join` starts on another machine."""
-        env = {k: v for k, v in self.env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        env = launch_env(env, 1, start=1)  # one thread while it waits; its share once admitted
-        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "join"], env=env)
+        """A process that waits to join: exactly what `dynatrain join` starts on another machine, on a device no
+        live process of the job holds."""
+        device = free_device((self.devices_of[p.pid] for p in self._alive()), self.max_devices)
+        proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "join"], env=standby_env(self.env, device))
         self.procs[proc.pid] = (proc, "standby")
-        print(f"dynatrain elastic job: standby process {proc.pid} started", flush=True)
+        self.devices_of[proc.pid] = device
+        print(f"dynatrain elastic job: standby process {proc.pid} started on local device {device}", flush=True)
 
     def _alive(self, kind: str | None = None) -> list[subprocess.Popen]:
         return [p for p, k in self.procs.values() if p.poll() is None and (kind is None or k == kind)]

@@ -119,6 +119,13 @@ def _stay_as_standby() -> None:
           file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    from dynatrain.cli.join import own_device
+
+    # Its device stays its own (the launcher gives it to no other process while this one lives): the only visible
+    # one, since `dynatrain join` without a local rank trains on the first it sees.
+    visible = own_device(None, os.environ)
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
         os.environ.pop(key, None)
     os.execv(sys.executable, [sys.executable, "-m", "dynatrain.cli", "join"])
