@@ -4,9 +4,9 @@ GPU work is asynchronous. When a peer dies, each survivor has queued work behind
 what of it ran differs between them: one may have applied an optimizer step (on gradients a failed reduction left
 half-written) that another never reached. A recovery reads every region from one of the survivors that hold it, so
 copies that differ would be trained on silently, each process from another past. So every survivor hashes each
-box of the old layout it holds (`placed_sums.indexed_checksum`, by the box's global indices) and each scalar it
-keeps (the optimizer's ``step`` per parameter, its hyper-parameters, the LR schedulers' states; `scalar_hash`),
-hands the list over with its report of being alive (`ElasticManager.agree_on_survivors`, through the job's store:
+box of the old layout it holds (`placed_sums.PieceSums`: the switch check's hash, by the box's global indices, read
+from a GPU in one transfer) and each scalar it keeps (the optimizer's ``step`` per parameter, its hyper-parameters,
+the LR schedulers' states; `scalar_hash`), hands the list over with its report of being alive (`ElasticManager.agree_on_survivors`, through the job's store:
 no collective on a world that is broken or not formed yet), and every survivor compares, from the same agreed
 reports, the sums of each region among the survivors that hold it. Any difference stops the recovery on every
 survivor alike, naming the states, and the job resumes from its snapshot.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynatrain.engine.placed_sums import indexed_checksum, scalar_hash
+from dynatrain.engine.placed_sums import PieceSums, scalar_hash
 from dynatrain.vps.layout import Layout
 
 SHOWN = 8  # states named in an error at most; the count says how many more differ
@@ -74,21 +74,25 @@ def local_sums(layout: Layout, process: int, sources: Mapping[str, torch.Tensor]
                scalars: Mapping[str, object]) -> ReplicaSums:
     """This survivor's hashes of what it holds: ``process`` is its id in ``layout``, ``sources`` its local tensors
     of the old layout's states."""
-    sums = []
-    for spec in layout.states:
-        held = layout.shards(spec.name, process)
-        if held is None or not held.boxes:
-            continue
-        local = sources.get(spec.name)
-        if local is None or tuple(local.shape) != tuple(held.local_shape):
-            raise ValueError(f"state {spec.name!r}: the layout gives process {process} a local tensor of shape "
-                             f"{tuple(held.local_shape)}, it holds "
-                             f"{'none' if local is None else tuple(local.shape)}")
-        for box, origin in zip(held.boxes, held.offsets):
-            lo, hi = origin, tuple(o + h - l for o, l, h in zip(origin, box.lo, box.hi))
-            piece = local[tuple(slice(a, b) for a, b in zip(lo, hi))]
-            sums.append(indexed_checksum(piece, [range(a, b) for a, b in zip(box.lo, box.hi)], spec.shape))
-    return ReplicaSums(sums, {name: scalar_hash(name, value) for name, value in sorted(scalars.items())})
+    # On a GPU every box's sum stays on the device until one transfer reads them all.
+    with PieceSums(len(box_order(layout, process))) as sums:
+        k = 0
+        for spec in layout.states:
+            held = layout.shards(spec.name, process)
+            if held is None or not held.boxes:
+                continue
+            local = sources.get(spec.name)
+            if local is None or tuple(local.shape) != tuple(held.local_shape):
+                raise ValueError(f"state {spec.name!r}: the layout gives process {process} a local tensor of shape "
+                                 f"{tuple(held.local_shape)}, it holds "
+                                 f"{'none' if local is None else tuple(local.shape)}")
+            for box, origin in zip(held.boxes, held.offsets):
+                hi = tuple(o + h - l for o, l, h in zip(origin, box.lo, box.hi))
+                piece = local[tuple(slice(a, b) for a, b in zip(origin, hi))]
+                sums.add(k, piece, [range(a, b) for a, b in zip(box.lo, box.hi)], spec.shape)
+                k += 1
+        boxes = sums.totals()
+    return ReplicaSums(boxes, {name: scalar_hash(name, value) for name, value in sorted(scalars.items())})
 
 
 @dataclass
