@@ -12,8 +12,15 @@ WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).resolve().parent.parent
 
 
+def python_path(*paths) -> str:
+    """``paths``, then this process's PYTHONPATH: it holds the NCCL rules' start-up hook (tests/conftest.py)."""
+    import os
+
+    return os.pathsep.join([*(str(p) for p in paths), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def launch(script: str, nprocs: int, args: list[str], tmp_path: Path, timeout: float = 240.0) -> list[dict]:
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": python_path(REPO), "OMP_NUM_THREADS": "1"}
     try:
         return launch_local([str(WORKERS / script), *args], nprocs, tmp_path, timeout=timeout, env=env,
                             name=Path(script).stem, preload=PRELOAD, keep_zygote=True)
@@ -27,7 +34,7 @@ def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, jo
     """An elastic job: the store, ``nprocs`` members, and one joining process per entry of ``joiners`` (its extra
     arguments). Returns (members' results, joiners' results). ``threads``: every process's OMP_NUM_THREADS; None
     leaves it to the launcher (the cores split among the processes, again at each world change)."""
-    env = {"PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
+    env = {"PYTHONPATH": python_path(REPO), "WANDB_MODE": "offline"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
     try:
@@ -69,7 +76,7 @@ def selfcheck_module(module: str, layouts: list[str]) -> dict:
     import sys
 
     tests = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests / "workers"), str(tests.parent)]))
+    env = dict(os.environ, PYTHONPATH=python_path(tests / "workers", tests.parent))
     cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--module", module,
            "--switches", " > ".join(layouts), "--steps-between", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)

@@ -1,6 +1,20 @@
-"""Fixtures shared by the test files."""
+"""Fixtures shared by the test files, and the NCCL rules (tests/nccl_rules.py) over every test's processes."""
+
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
+
+import nccl_rules
+
+# Every process a test starts runs under the rules (tests/nccl_site/sitecustomize.py reads these), and so does this
+# one; a test whose processes broke one fails (`nccl_rules_hold`).
+_RULES = Path(tempfile.mkdtemp(prefix="dynatrain-nccl-rules-"))
+os.environ[nccl_rules.ENV] = str(_RULES)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(Path(__file__).parent / "nccl_site"), os.environ.get("PYTHONPATH")) if p)
+nccl_rules.install()
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +46,21 @@ def pytest_xdist_make_scheduler(config, log):
             return path if path.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
 
     return ModulesWithAReference(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nccl_rules_dir():
+    yield
+    import shutil
+
+    shutil.rmtree(_RULES, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def nccl_rules_hold():
+    """Fail a test whose processes broke an NCCL rule, even one whose error was caught on the way."""
+    start = nccl_rules.offsets(_RULES)
+    yield
+    problems = nccl_rules.violations(_RULES, start) + nccl_rules.check_pairs(_RULES, start)
+    if problems:
+        pytest.fail("NCCL rules broken (tests/nccl_rules.py):\n" + "\n".join(problems[:20]), pytrace=False)

@@ -119,3 +119,16 @@ def test_a_survivor_aborts_the_world_of_a_dead_peer_at_once_and_goes_on_alone():
     assert how == "aborted" and took < 5.0, (how, took)
     assert reduced == [3.0, 3.0]  # a collective of the world the survivor formed alone
     assert procs[0].exitcode == 0
+
+
+def test_an_nccl_world_is_bound_to_the_process_current_device(monkeypatch):
+    import torch
+
+    from dynatrain.elastic.world import _bound_device
+
+    assert _bound_device("gloo") == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _bound_device("nccl") == {"device_id": torch.device("cuda", 1)}
+    assert _bound_device("cpu:gloo,cuda:nccl") == {"device_id": torch.device("cuda", 1)}
+    assert _bound_device("gloo") == {}

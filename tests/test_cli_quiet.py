@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 
+from _launch import python_path
 from dynatrain.cli import quiet
 
 
@@ -75,7 +76,7 @@ def _cli(*args: str):
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=python_path(Path(__file__).resolve().parent.parent))
     return subprocess.run([sys.executable, "-m", "dynatrain.cli", *args], capture_output=True, text=True,
                           timeout=120, env=env)
 

@@ -1,9 +1,10 @@
-"""On CUDA the strategy's groups carry CPU tensors too (the requests' agreement, batch fingerprints): gloo for CPU
-tensors beside NCCL, unless the user names a backend."""
+"""Training's groups take the device's backend (NCCL on CUDA, as Lightning chooses); metadata has a gloo group of
+its own (`dynatrain.control`), whose functions are the identity of a world of one."""
 
 import torch
 
 import dynatrain
+from dynatrain import control
 
 
 def _on(device: str, **kwargs):
@@ -12,10 +13,18 @@ def _on(device: str, **kwargs):
     return strategy
 
 
-def test_cuda_groups_take_gloo_for_cpu_tensors_beside_nccl():
-    assert _on("cuda:0")._get_process_group_backend() == "cpu:gloo,cuda:nccl"
-
-
-def test_a_backend_the_user_names_is_kept_and_cpu_stays_gloo():
-    assert _on("cuda:0", process_group_backend="nccl")._get_process_group_backend() == "nccl"
+def test_training_groups_take_the_device_backend_and_a_named_one_is_kept():
+    assert _on("cuda:0")._get_process_group_backend() == "nccl"
     assert _on("cpu")._get_process_group_backend() == "gloo"
+    assert _on("cuda:0", process_group_backend="cpu:gloo,cuda:nccl")._get_process_group_backend() == \
+        "cpu:gloo,cuda:nccl"
+
+
+def test_the_control_channel_without_a_world_returns_this_process_values():
+    assert control.new_control_group() is None
+    assert control.all_reduce_ints([3, -4], None) == [3, -4]
+    assert control.all_reduce_floats([0.5], None) == [0.5]
+    assert control.all_gather_ints([1, 2], None) == [[1, 2]]
+    assert control.all_gather_object({"a": (1, "x")}, None) == [{"a": (1, "x")}]
+    data = torch.arange(5, dtype=torch.uint8)
+    assert torch.equal(control.all_gather_bytes(data, None), data)

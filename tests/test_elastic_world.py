@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _launch import python_path
 from dynatrain.elastic import store as store_mod
 from dynatrain.elastic.world import (
     RegistrationError, WorldChange, default_backend, plan_union_then_target, register, registered, set_job_info,
@@ -32,7 +33,7 @@ def job_store(tmp_path_factory):
 
 def _spawn(endpoint: str, tmp: Path, mid: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     out, log = tmp / f"{mid}.json", tmp / f"{mid}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, PYTHONPATH=python_path(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                DYNATRAIN_STORE_TOKEN=TOKEN)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, str(WORKER), "--endpoint", endpoint, "--id", mid, "--out", str(out),

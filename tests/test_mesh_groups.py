@@ -79,3 +79,4 @@ def test_a_real_mesh_reads_its_flattened_names_without_the_deprecated_slice(one_
         # torch warns when a flattened name is sliced from the root mesh, a use it means to remove.
         warnings.filterwarnings("error", message="Slicing a flattened dim")
         assert connect_mesh_groups(mesh, pcfg, "cpu") == 0
+

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from _launch import python_path
 from dynatrain.models.specs import get_zoo_config
 from dynatrain.selfcheck.chaos import draw, survivors_of, terms_used
 
@@ -51,7 +52,7 @@ def test_a_request_the_model_cannot_serve_is_named():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_seeded_chaos_run_with_a_death_trains_as_without_switches():
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=python_path(Path(__file__).resolve().parent.parent))
     cmd = [sys.executable, "-m", "dynatrain.cli", "selfcheck", "--chaos", "1", "--inject", "--n-layers", "4",
            "--steps-between", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _launch import python_path
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,7 +171,7 @@ def test_a_job_scales_across_two_hosts_with_torchrun_members_and_dynatrain_join(
     job_argv = ["fit", "--config", str(recipe)]
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
-    base.update(PYTHONPATH=os.pathsep.join([str(REPO), str(WORKERS)]), OMP_NUM_THREADS="1", WANDB_MODE="offline",
+    base.update(PYTHONPATH=python_path(REPO, WORKERS), OMP_NUM_THREADS="1", WANDB_MODE="offline",
                 PYTHONUNBUFFERED="1", DYNATRAIN_ENDPOINT=endpoint, DYNATRAIN_TOKEN=token)
     env = {host: dict(base, GLOO_SOCKET_IFNAME=host.ifname) for host in (a, b)}
     procs = Processes(tmp_path)

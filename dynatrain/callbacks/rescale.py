@@ -324,7 +324,7 @@ class ElasticCallback(pl.Callback):
         return previous
 
     def _exchange(self, trainer: pl.Trainer, slot: Slot) -> list[Slot]:
-        # An elastic world may give its control traffic a group of its own; None is the default group.
+        # The strategy's control group (`dynatrain.control`); under another strategy, the default group.
         return all_gather_slots(slot, getattr(trainer.strategy, "control_group", None))
 
     def _decide(self, trainer: pl.Trainer, merged: MergedRequest, step: int) -> Decision:

@@ -33,6 +33,16 @@ from dynatrain.elastic.broken_world import abort_groups, let_python_see_nccl_err
 MATCH_FIELDS = ("model_config_hash", "code_version")
 
 
+def _bound_device(backend: str) -> dict:
+    """``device_id`` for an NCCL world: the process's current CUDA device, which Lightning (a member) or
+    `dynatrain join --device` (a joiner, its one visible GPU) has set. A bound group creates its communicator at
+    once, inside the world's formation, and splits its subgroups' from it; unbound, each is set up at its first
+    collective, which NCCL makes wait for every rank of the group."""
+    if "nccl" in backend and torch.cuda.is_available():
+        return {"device_id": torch.device("cuda", torch.cuda.current_device())}
+    return {}
+
+
 def default_backend() -> str:
     """gloo, and NCCL for CUDA tensors where CUDA is visible: CPU tensors stay legal on a GPU host."""
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -118,7 +128,7 @@ class WorldGeneration:
             # The group's timeout is also every later collective's: the full timeout, not what the wait left.
             dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/pg/", store),
                                     rank=members.index(member_id), world_size=len(members),
-                                    timeout=timedelta(seconds=timeout))
+                                    timeout=timedelta(seconds=timeout), **_bound_device(backend))
         except RuntimeError as e:
             # Every member arrived, so a failure here means one died or hung between arriving and connecting.
             kind = TimeoutError if "timeout" in str(e).lower() or "timed out" in str(e).lower() else RuntimeError

@@ -56,7 +56,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from dynatrain import control
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FIELDS = ("sums", "held", "sizes", "knowers", "squares", "bad")
@@ -677,22 +678,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def reduce(sums: StateSums, device: torch.device | str = "cpu", group=None) -> StateSums:
-    """``sums`` summed over the ranks of ``group`` (one all-reduce of one int64 tensor, ``6 * len(names)``);
-    as it is without an initialised process group."""
-    t = torch.tensor(sums.vector(), dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return StateSums.from_vector(sums.names, t.tolist(), sums.problems)
+def reduce(sums: StateSums, group=None) -> StateSums:
+    """``sums`` summed over the ranks of the control group ``group`` (one all-reduce of ``6 * len(names)`` int64s,
+    `dynatrain.control`); as it is without an initialised process group."""
+    return StateSums.from_vector(sums.names, control.all_reduce_ints(sums.vector(), group), sums.problems)
 
 
-def reduce_pair(old: StateSums, new: StateSums, device: torch.device | str = "cpu",
-                group=None) -> tuple[StateSums, StateSums]:
+def reduce_pair(old: StateSums, new: StateSums, group=None) -> tuple[StateSums, StateSums]:
     """`reduce` of both sides in one all-reduce (the switch can keep its local sums of before until after)."""
-    t = torch.tensor(old.vector() + new.vector(), dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    v, n = t.tolist(), len(_FIELDS) * len(old.names)
+    v, n = control.all_reduce_ints(old.vector() + new.vector(), group), len(_FIELDS) * len(old.names)
     return StateSums.from_vector(old.names, v[:n], old.problems), StateSums.from_vector(new.names, v[n:],
                                                                                        new.problems)
 
@@ -743,9 +737,10 @@ def differing(old: StateSums, new: StateSums) -> list[str]:
     return list(explain(old, new))
 
 
-def compare(old: StateSums, new: StateSums, device: torch.device | str = "cpu", group=None) -> dict[str, str]:
-    """Local sums of before and after, reduced in one all-reduce and explained (empty: bitwise equal)."""
-    return explain(*reduce_pair(old, new, device, group))
+def compare(old: StateSums, new: StateSums, group=None) -> dict[str, str]:
+    """Local sums of before and after, reduced over the control group ``group`` in one all-reduce and explained
+    (empty: bitwise equal)."""
+    return explain(*reduce_pair(old, new, group))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -787,13 +782,9 @@ def module_state_tensors(module: torch.nn.Module, optimizer=None, schedulers: Se
 
 
 def all_names(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, object], group=None) -> tuple[str, ...]:
-    """The sorted union of every rank's state names (one ``all_gather_object``): the agreed order where ranks
+    """The sorted union of every rank's state names over the control group ``group``: the agreed order where ranks
     have different states (pipeline stages)."""
-    mine = sorted({*tensors, *scalars})
-    if not (dist.is_available() and dist.is_initialized()):
-        return tuple(mine)
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = control.all_gather_object(sorted({*tensors, *scalars}), group)
     return tuple(sorted({n for names in every for n in names}))
 
 

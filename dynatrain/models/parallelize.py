@@ -54,28 +54,36 @@ def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[in
     return mesh
 
 
+def mesh_groups(mesh: DeviceMesh, pcfg: ParallelConfig, min_size: int = 2) -> list:
+    """The process groups of ``mesh`` this rank belongs to with ``min_size`` ranks or more, each once: every root
+    dimension and every flattened name of ``pcfg``, in that order (the same on every rank). The mesh made a group
+    for each, one-rank dimensions included."""
+    groups, seen = [], set()
+    # A flattened name is read from the flattenings the mesh keeps: slicing it from the root is deprecated in torch.
+    flat = getattr(mesh, "_flatten_mapping", {})
+    for name in (*pcfg.mesh_dim_names, *pcfg.flattened_dims()):
+        sub = flat[name] if name in flat else mesh[name]
+        if sub.size() < min_size:
+            continue
+        group = sub.get_group()
+        if id(group) not in seen:
+            seen.add(id(group))
+            groups.append(group)
+    return groups
+
+
 def connect_mesh_groups(mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.device | str) -> int:
-    """Run one one-element all-reduce on each group of ``mesh`` that has more than one rank (every root dimension
-    and every flattened name of ``pcfg``, each group once); returns how many this rank joined.
+    """Run one one-element all-reduce on each group of ``mesh`` (`mesh_groups`); returns how many this rank joined.
 
     NCCL creates a group's communicator at its first collective, and that would otherwise be the new layout's
     first all-gather, inside the first training step. Every rank of the mesh must call this, in the same order as
     `init_mesh`: each rank joins one group per dimension, the dimensions come in the same order everywhere, and
     the groups of one dimension are disjoint, so the collectives cannot wait on each other in a cycle. Gloo
     connects at creation; there this adds a round trip per group."""
-    seen = set()
-    # A flattened name is read from the flattenings the mesh keeps: slicing it from the root is deprecated in torch.
-    flat = getattr(mesh, "_flatten_mapping", {})
-    for name in (*pcfg.mesh_dim_names, *pcfg.flattened_dims()):
-        sub = flat[name] if name in flat else mesh[name]
-        if sub.size() < 2:
-            continue
-        group = sub.get_group()
-        if id(group) in seen:
-            continue
-        seen.add(id(group))
+    groups = mesh_groups(mesh, pcfg)
+    for group in groups:
         torch.distributed.all_reduce(torch.zeros(1, device=device), group=group)
-    return len(seen)
+    return len(groups)
 
 
 def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
@@ -228,6 +236,11 @@ def parallelize_llama(
     return module
 
 
+def holds_transformer(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds a dynatrain `Transformer` (what `parallelize_llama` parallelises)."""
+    return any(isinstance(m, Transformer) for m in module.modules())
+
+
 def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
     """The mesh FSDP2 shards dense states over: ``dp_shard``, with ``dp_replicate`` in front for HSDP."""
     with warnings.catch_warnings():
@@ -235,11 +248,6 @@ def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
         # mesh that torch offers, and it warns about a future deprecation of exactly that.
         warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
         return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
-def holds_transformer(module: nn.Module) -> bool:
-    """Whether ``module`` is or holds a dynatrain `Transformer` (what `parallelize_llama` parallelises)."""
-    return any(isinstance(m, Transformer) for m in module.modules())
-
-
 
 
 def dense_meshes(mesh: DeviceMesh, pcfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:

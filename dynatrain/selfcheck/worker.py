@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import dynatrain
+from dynatrain import control
 from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
@@ -257,11 +258,7 @@ class StepSamples(pl.Callback):
         mine = [i for s in self._seen for i in s.trace]
         for s in self._seen:
             s.trace.clear()
-        rows = [(strategy.dp_rank, mine)]
-        if dist.is_initialized():
-            rows = [None] * dist.get_world_size()
-            dist.all_gather_object(rows, (strategy.dp_rank, mine))
-        per_rank = dict(rows)
+        per_rank = dict(control.all_gather_object((strategy.dp_rank, mine), strategy.control_group))
         self.samples.append(sorted(i for indices in per_rank.values() for i in indices))
 
 

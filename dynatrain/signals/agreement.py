@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
+from dynatrain import control
 from dynatrain.signals.request import ScaleRequest, describe_request
 
 SLOT_BYTES = 4096
@@ -127,10 +127,7 @@ def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | Non
 
 def all_gather_slots(slot: Slot, group=None) -> list[Slot]:
     """Every rank's slot, in rank order of ``group`` (None: the default group); only ``slot`` without a group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not control.distributed():
         return [slot]
-    size = dist.get_world_size(group)
-    gathered = torch.empty(size * SLOT_BYTES, dtype=torch.uint8)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, encode_slot(slot), group=group)
-    return [decode_slot(gathered[i * SLOT_BYTES:(i + 1) * SLOT_BYTES]) for i in range(size)]
+    gathered = control.all_gather_bytes(encode_slot(slot), group)
+    return [decode_slot(gathered[i * SLOT_BYTES:(i + 1) * SLOT_BYTES]) for i in range(len(gathered) // SLOT_BYTES)]

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from dynatrain import control
 from dynatrain.data.elastic_sampler import ElasticSampler
 from dynatrain.data.iterable import DataParallelIterable
 from dynatrain.strategies.fit_loop import (
@@ -315,10 +315,7 @@ class DataSplit:
         self.check_next_batch = False
         if strategy.detached or strategy.local_only:
             return
-        mine = torch.tensor([strategy.dp_rank, fingerprint(batch)], dtype=torch.int64, device=strategy.root_device)
-        parts = [torch.empty_like(mine) for _ in range(strategy.world_size)]
-        dist.all_gather(parts, mine)  # not Lightning's all_gather, which goes through a deprecated autograd path
-        rows = torch.stack(parts).tolist()
+        rows = control.all_gather_ints([strategy.dp_rank, fingerprint(batch)], strategy.control_group)
         groups: dict[int, dict[int, list[int]]] = {}
         for rank, (dp_rank, fp) in enumerate(rows):
             groups.setdefault(dp_rank, {}).setdefault(fp, []).append(rank)

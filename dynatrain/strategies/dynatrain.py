@@ -27,13 +27,20 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from dynatrain.control import new_control_group
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
 from dynatrain.lightning_support import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
-from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, materialize_model, parallelize_llama
+from dynatrain.models.parallelize import (
+    connect_mesh_groups,
+    init_mesh,
+    materialize_model,
+    mesh_groups,
+    parallelize_llama,
+)
 from dynatrain.models.registry import zoo_config_of
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
@@ -44,7 +51,6 @@ from dynatrain.strategies.steps import CompileWatch, StepHooks
 from dynatrain.switch.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
 
-CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -190,6 +196,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self.recovery_reports: list = []  # processes lost while training, and how the survivors went on
         self._switcher = None
         self._meshes: dict[tuple, DeviceMesh] = {}
+        # The current world's gloo group for metadata (`dynatrain.control`); training's groups carry device tensors.
+        self.control_group = None
+        self.retire_groups: bool | None = None  # see retire_meshes
         self.elastic_config = ElasticConfig.parse(elastic)
         self.elastic: ElasticManager | None = None
         self.detached = False  # this process left the job: collectives become local no-ops
@@ -268,6 +277,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
     def setup_environment(self) -> None:
         if self.elastic_config is None:
             self._setup_distributed()
+            self.form_control_group()
         else:
             self._setup_elastic()
             if self.parallel_config is not None:  # a joiner: its layout came with the switch it joined
@@ -302,13 +312,19 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         versions = logger_versions(trainer) if world.rank == 0 else None
         adopt_logger_versions(trainer, self.broadcast(versions))
 
-    def _get_process_group_backend(self) -> str:
-        # The requests' agreement, the batch fingerprints and the joiners' hand-shakes travel as CPU tensors on the
-        # training groups: on CUDA those groups take gloo for CPU tensors beside NCCL, as an elastic world's
-        # generations do, instead of NCCL alone, which refuses them. A backend the user names is kept as it is.
-        if self._process_group_backend is None and self.root_device.type == "cuda":
-            return CUDA_BACKEND
-        return super()._get_process_group_backend()
+    def form_control_group(self) -> None:
+        """Right after a world forms, on every rank: a collective on the default group, so that its first operation
+        is one every rank joins (NCCL sets a communicator up at its first use and waits for every rank there; the
+        first could otherwise be a switch's send, which a rank with nothing to send never posts), then the world's
+        control group."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            self.control_group = None
+            return
+        dist.all_reduce(torch.zeros(1, device=self.root_device))
+        timeout = timedelta(seconds=self.elastic.config.timeout) if self.elastic is not None else self._timeout
+        self.control_group = new_control_group(timeout)
 
     def member_info(self) -> dict:
         from dynatrain import __version__
@@ -342,6 +358,38 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
         self.parallel_config, self.positions = pcfg, list(positions)
+
+    def retire_meshes(self, keep: Callable[[ParallelConfig], bool] = lambda layout: False) -> int:
+        """Destroy the process groups of this world's meshes but the running one and those of the layouts ``keep``
+        names (a build kept for a switch to come); returns how many groups went.
+
+        An NCCL group holds its communicator's buffers on the device for as long as it lives, and a job that wanders
+        through layouts would keep them all; destroying it shuts the communicator down. A layout visited again is
+        connected again when its switch builds it, before the stall. Gloo's connections close only when the last
+        reference to the group goes, and torch keeps some of a mesh's (3 sockets more per switch, measured): there
+        the meshes stay and are reused instead, bounded by the layouts visited. ``retire_groups`` (None: on NCCL)
+        decides. Every rank calls this at the same point after a switch, when no operation on an old group is
+        pending; destroying a group is local."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or self._device_mesh is None:
+            return 0
+        if not (self.retire_groups if self.retire_groups is not None else "nccl" in str(dist.get_backend())):
+            return 0
+        live = {id(dist.group.WORLD)}
+        kept = {key: mesh for key, mesh in self._meshes.items() if mesh is self._device_mesh or keep(key[0])}
+        for key, mesh in kept.items():
+            live.update(id(g) for g in mesh_groups(mesh, key[0], min_size=1))
+        retired = 0
+        for key in [k for k in self._meshes if k not in kept]:
+            for group in mesh_groups(self._meshes.pop(key), key[0], min_size=1):
+                if id(group) not in live:
+                    live.add(id(group))  # two meshes may share a group: destroy it once
+                    dist.destroy_process_group(group)
+                    retired += 1
+        if retired:
+            forget_old_meshes()
+        return retired
 
     def forget_meshes(self, drop_groups: bool = False) -> None:
         """Forget every mesh of this world, the current one included (its world is gone). ``drop_groups``: also

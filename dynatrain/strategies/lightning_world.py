@@ -76,6 +76,7 @@ def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None
         bar.enable() if rank == 0 else bar.disable()
     if rank == 0 and not was_zero:
         take_over_logging(trainer)
+    strategy.form_control_group()
 
 
 def logger_versions(trainer: pl.Trainer | None) -> list[Any]:
@@ -122,6 +123,7 @@ def take_over_logging(trainer: pl.Trainer | None) -> None:
 def detach(strategy: "DynaTrainStrategy", trainer: pl.Trainer | None) -> None:
     """A process that left: no model, no group; Lightning winds its loop down without collectives."""
     strategy.detached = True
+    strategy.control_group = None
     strategy.elastic.stop_heartbeat()
     strategy.forget_meshes()
     if trainer is not None:

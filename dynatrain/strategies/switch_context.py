@@ -55,6 +55,10 @@ class StrategyContext:
         return self.strategy.global_rank
 
     @property
+    def control_group(self):
+        return self.strategy.control_group
+
+    @property
     def world_size(self) -> int:
         return self.strategy.world_size
 

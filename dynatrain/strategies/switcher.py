@@ -89,8 +89,10 @@ class Switcher:
         ahead, used when its inputs still hold."""
         self.require_boundary()
         target = self.check(target)
-        return driver.run(self.ctx, InWorld(target, self.targets, self.strategy.switch_reports, rank_map, budget_mb,
-                                            prepared))
+        report = driver.run(self.ctx, InWorld(target, self.targets, self.strategy.switch_reports, rank_map,
+                                              budget_mb, prepared))
+        self.strategy.retire_meshes(keep=self.targets.has_build)
+        return report
 
     # ---- a process lost -----------------------------------------------------------------------------------
     def recover(self, error: BaseException) -> RecoveryReport:

@@ -53,6 +53,10 @@ class SwitchContext(Protocol):
     def rank(self) -> int: ...
 
     @property
+    def control_group(self) -> Any:
+        """The current world's group for metadata (`dynatrain.control`); None without a process group."""
+
+    @property
     def world_size(self) -> int: ...
 
     @property

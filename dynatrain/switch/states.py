@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dynatrain import control
 from dynatrain.switch.capture import Captured, capture, check_switchable
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.recovery import reshard
@@ -49,7 +50,7 @@ def capture_states(ctx: SwitchContext) -> Captured:
     captured = capture(module, optimizer, ctx.mesh)
     if ctx.layout is None or ctx.layout.pp == 1:
         return captured
-    return merge_stages(captured, entry_order(module, optimizer))
+    return merge_stages(captured, entry_order(module, optimizer), ctx.control_group)
 
 
 def hold(ctx: SwitchContext, agree: bool = True) -> Held:
@@ -69,9 +70,8 @@ def hold(ctx: SwitchContext, agree: bool = True) -> Held:
 
 def _agree_on(ctx: SwitchContext, captured: Captured) -> None:
     mark = captured.fingerprint()
-    t = torch.tensor([mark, -mark], dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if int(t[0]) != mark or int(t[1]) != -mark:
+    high, neg_low = control.all_reduce_ints([mark, -mark], ctx.control_group, op=dist.ReduceOp.MAX)
+    if high != mark or neg_low != -mark:
         raise ValueError("the ranks hold different sets of states (names, shapes, dtypes or placements): a "
                          "module or optimizer that differs between ranks cannot be switched")
 

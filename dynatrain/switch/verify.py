@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from dynatrain import control
 from dynatrain.engine import placed_sums
 from dynatrain.engine.placed_sums import StateSums, placed_indices, wrap64
 from dynatrain.engine.wire import local_box
@@ -126,17 +126,14 @@ def before(held, plan, me: int) -> Before:
     return out
 
 
-def _vector(device, values: list[int], group=None) -> list[int]:
-    t = torch.tensor([wrap64(v) for v in values], dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.tolist()
+def _vector(ctx: SwitchContext, values: list[int]) -> list[int]:
+    return control.all_reduce_ints([wrap64(v) for v in values], ctx.control_group)
 
 
 def reduce(ctx: SwitchContext, side: Before) -> Before:
     """``side`` summed over the processes of the current world (the copies stay this process's)."""
     n = len(side.names)
-    total = _vector(ctx.device, side.sent + side.scalars.vector())
+    total = _vector(ctx, side.sent + side.scalars.vector())
     return Before(side.names, total[:n], StateSums.from_vector(side.scalars.names, total[n:]), side.copies)
 
 
@@ -186,11 +183,11 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
 
     n = len(names)
     if reduced:
-        total = _vector(ctx.device, received + bad + new_scalars.vector())
+        total = _vector(ctx, received + bad + new_scalars.vector())
         sent, received, bad = old.sent, total[:n], total[n:2 * n]
         old_scalars, new_scalars = old.scalars, StateSums.from_vector(old.scalars.names, total[2 * n:])
     else:
-        total = _vector(ctx.device, old.sent + received + bad + old.scalars.vector() + new_scalars.vector())
+        total = _vector(ctx, old.sent + received + bad + old.scalars.vector() + new_scalars.vector())
         sent, received, bad = total[:n], total[n:2 * n], total[2 * n:3 * n]
         k = len(old.scalars.vector())
         old_scalars = StateSums.from_vector(old.scalars.names, total[3 * n:3 * n + k])

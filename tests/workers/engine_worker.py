@@ -118,6 +118,7 @@ def main() -> None:
     if args.direct_min is not None:
         wire.DIRECT_MIN_BYTES = args.direct_min
     dist.init_process_group("gloo")
+    dist.barrier()  # a group's first operation is one every rank joins: the engine's sends expect a formed group
     world, me = dist.get_world_size(), dist.get_rank()
     results = []
     for i in range(args.cases):
