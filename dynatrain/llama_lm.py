@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchmetrics.text import Perplexity
 
 from dynatrain import moe_lm
+from dynatrain.models.context_parallel import shard_labels
 from dynatrain.models.parallelize import materialize_model
 from dynatrain.models.registry import ModelSpec, ZooConfig, spec_for
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -123,6 +124,8 @@ class CausalLM(pl.LightningModule):
     def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens, labels = batch
         logits = self.model(tokens)
+        # With context parallelism the logits are those of this rank's part of each sequence.
+        labels = shard_labels(self.model, labels)
         return _cross_entropy(logits, labels), logits, labels
 
     def loss_context(self):
@@ -155,12 +158,12 @@ class CausalLM(pl.LightningModule):
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch on the last pipeline stage (pp > 1: the strategy runs the schedule)."""
-        return _cross_entropy(logits, labels)
+        return _cross_entropy(logits, shard_labels(self.model, labels))
 
     def on_pipeline_losses(self, losses: list[torch.Tensor], labels: torch.Tensor) -> None:
         """The step's micro-batch losses, on the last pipeline stage (none elsewhere)."""
         for loss, part in zip(losses, labels.chunk(len(losses)) if losses else ()):
-            self._record(loss, part)
+            self._record(loss, shard_labels(self.model, part))
 
     def on_pipeline_validation_loss(self, loss: torch.Tensor) -> None:
         self.log("val/loss", loss, sync_dist=True, prog_bar=True)

@@ -5,7 +5,7 @@ into the target layout); the oracle then trains the next step on the same micro-
 moments must again equal the switched run's ("next step"). The losses are compared with the same steps trained
 without switches, on the first layout.
 
-A layout's dp_replicate*dp_shard*tp is the number of processes it runs on. When the sequence changes it (e.g.
+A layout's dp_replicate*dp_shard*cp*tp is the number of processes it runs on. When the sequence changes it (e.g.
 "dp_shard=4 > dp_shard=2 > dp_shard=3 > dp_shard=2,tp=2"), the run is an elastic job: a store process, the
 first world's ranks, and every process a scale-out will need, started up front as joiners that wait for
 admission. Processes that a scale-in drops leave and exit.
@@ -99,6 +99,7 @@ def parse_layouts(args, model) -> tuple[list[ParallelConfig], int]:
         world = p.world_size if elastic and i else devices
         try:
             p.validate(model, world)
+            p.sequence_chunk(args.seq_len)
         except ValueError as e:
             raise SystemExit(f"--switches: {e}") from None
     return layouts, devices

@@ -1,7 +1,9 @@
 """Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Knows nothing of parallelism. Under tensor parallelism the projections hold a slice of the heads, so
-head counts are read from the local weight shapes at run time, never from the config.
+Knows nothing of parallelism but what a forward must do differently: under tensor parallelism the projections hold
+a slice of the heads, so head counts are read from the local weight shapes at run time, never from the config;
+under context parallelism (a `ContextParallel` that `models.parallelize` attaches) the model takes whole sequences,
+computes the tokens of its cp rank only, and its attention sees every key of the sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynatrain.models.configs import ModelConfig
+from dynatrain.models.context_parallel import CP_ATTR
 from dynatrain.models.init import init_slice, init_std
 
 
@@ -65,7 +68,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        cp = self.__dict__.get(CP_ATTR)
+        if cp is not None:
+            out = cp.attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -111,9 +118,15 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
         # earlier one hands them on.
+        cp = self.__dict__.get(CP_ATTR)
+        freqs_cis = self.freqs_cis
+        if cp is not None:
+            # Whole sequences come in on the first stage; from there on every tensor holds this rank's tokens.
+            tokens = cp.shard(tokens) if self.tok_embeddings is not None else tokens
+            freqs_cis = cp.shard(freqs_cis[: tokens.shape[1] * cp.size], dim=0)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

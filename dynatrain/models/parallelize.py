@@ -29,7 +29,8 @@ from dynatrain.models import tp_plan
 from dynatrain.models.checkpointing import ActivationCheckpointing, apply_ac
 from dynatrain.models.compile import apply_compile
 from dynatrain.models.configs import ModelConfig
-from dynatrain.models.llama import Transformer
+from dynatrain.models.context_parallel import enable_context_parallel
+from dynatrain.models.llama import Attention, Transformer
 from dynatrain.models.pipeline import PipelineStages, split_model
 from dynatrain.models.stage_split import stage_split
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -87,12 +88,12 @@ def connect_mesh_groups(mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.de
 
 
 def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
-    """True when ranks ascend along every dimension of the (pp, dp_replicate, dp_shard, tp) mesh.
+    """True when ranks ascend along every dimension of the (pp, dp_replicate, dp_shard, cp, tp) mesh.
 
     `new_group` sorts its ranks, so a group's rank order equals the mesh order only for such arrangements;
     any other one silently permutes all-gathers and reduce-scatters.
     """
-    grid = np.asarray(ranks, dtype=np.int64).reshape(pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp)
+    grid = np.asarray(ranks, dtype=np.int64).reshape(pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.cp, pcfg.tp)
     return all(bool((np.diff(grid, axis=axis) > 0).all()) for axis in range(grid.ndim))
 
 
@@ -133,6 +134,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, {k: v for k, v in plan.items() if v is not None})
     return model
+
+
+def apply_cp(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> None:
+    """Make ``model`` and every attention in it split sequences over the layout's cp ranks
+    (`models.context_parallel`); nothing without cp. Before a pipeline split: the stages' views copy it."""
+    if pcfg.cp == 1:
+        return
+    cp_mesh = mesh["cp"]
+    enable_context_parallel(model, cp_mesh)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            enable_context_parallel(module, cp_mesh)
 
 
 def apply_block_options(model: nn.Module, activation_checkpointing: ActivationCheckpointing | str | None = None,
@@ -183,6 +196,7 @@ def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig,
         split = stage_split(model.config, n_stages)
     # From the mesh's coordinates, not the pp group: a probe mesh's groups are not registered with c10d.
     coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
+    apply_cp(model, mesh, pcfg)
     stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
     tp_mesh, dp_mesh = dense_meshes(mesh, pcfg)
     apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
@@ -231,6 +245,7 @@ def parallelize_llama(
             parallelize_stages(transformer, mesh, pcfg, stages_per_rank, mp_policy=mp_policy,
                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **options)
         else:
+            apply_cp(transformer, mesh, pcfg)
             parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
                               sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **options)
     return module
@@ -242,12 +257,15 @@ def holds_transformer(module: nn.Module) -> bool:
 
 
 def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
-    """The mesh FSDP2 shards dense states over: ``dp_shard``, with ``dp_replicate`` in front for HSDP."""
+    """The mesh FSDP2 shards dense states over: ``dp_shard`` (``dp_shard x cp`` with cp, as torchtitan: the cp ranks
+    of a sample hold different tokens, so their gradients are reduced as data parallelism's), with ``dp_replicate``
+    in front for HSDP."""
+    shard = "dp_shard_cp" if pcfg.cp > 1 else "dp_shard"
     with warnings.catch_warnings():
-        # With ep, dp_shard is a flattened name; slicing it beside a root dimension is the one way to a 2-D HSDP
-        # mesh that torch offers, and it warns about a future deprecation of exactly that.
+        # With ep or cp, the shard dimension is a flattened name; slicing it beside a root dimension is the one way
+        # to a 2-D HSDP mesh that torch offers, and it warns about a future deprecation of exactly that.
         warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh will be deprecated")
-        return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+        return mesh["dp_replicate", shard] if pcfg.dp_replicate > 1 else mesh[shard]
 
 
 def dense_meshes(mesh: DeviceMesh, pcfg: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
@@ -260,6 +278,9 @@ def dense_meshes(mesh: DeviceMesh, pcfg: ParallelConfig) -> tuple[DeviceMesh, De
         if pcfg.ep > 1:
             raise ValueError(f"ep={pcfg.ep} needs dynatrain's mesh (an ep dimension); Lightning's mesh {names} has "
                              "none: use strategy='dynatrain' or ep=1")
+        if pcfg.cp > 1:
+            raise ValueError(f"cp={pcfg.cp} needs dynatrain's mesh (a cp dimension); Lightning's mesh {names} has "
+                             "none: use strategy='dynatrain' or cp=1")
         return mesh["tensor_parallel"], mesh["data_parallel"]
     raise ValueError(f"a device mesh with dims {pcfg.mesh_dim_names} or ('data_parallel', 'tensor_parallel') is "
                      f"needed, got {names}")
@@ -279,6 +300,7 @@ def build_parallel_model(
     pcfg.validate(model_cfg, mesh.size())
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    apply_cp(model, mesh, pcfg)
     parallelize_model(model, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
                       sequence_parallel=sequence_parallel)
     if materialize:

@@ -34,6 +34,7 @@ from dynatrain.lightning_support import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
+from dynatrain.models.context_parallel import check_context_parallel
 from dynatrain.models.parallelize import (
     connect_mesh_groups,
     init_mesh,
@@ -465,6 +466,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
             target = self._template.build(mesh, parallelize)
         finally:
             self._target_mesh, self.parallel_config = None, current
+        check_context_parallel(target, pcfg)
         return self.precision_plugin.convert_module(target)
 
     def setup(self, trainer: Trainer) -> None:
@@ -474,6 +476,10 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self._keep_template()
         if not is_overridden("configure_model", self.lightning_module):
             self.parallelize(self.model)
+        check_context_parallel(self.model, self.parallel_config)
+        seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+        if self.parallel_config.cp > 1 and isinstance(seq_len, int):
+            self.parallel_config.sequence_chunk(seq_len)  # refused here rather than in the first forward
         joining = self._joining
         if joining:
             self._switcher.adopt_joined_module()  # the members wait in the transfer, whatever this module holds

@@ -74,6 +74,9 @@ def check_target(switcher: Switching, target: str | ParallelConfig, world_size: 
                              f"pipeline stages of at least one layer, and the model has {n_layers}: use a "
                              f"smaller pp")
     datamodule = getattr(switcher.trainer, "datamodule", None) if switcher.trainer else None
+    seq_len = getattr(datamodule, "seq_len", None)
+    if target.cp > 1 and isinstance(seq_len, int):
+        target.sequence_chunk(seq_len)
     try:
         if datamodule is not None and hasattr(datamodule, "accumulation_for"):
             datamodule.accumulation_for(target.dp_size)

@@ -1,5 +1,10 @@
-"""`ParallelConfig`: the shape of a layout, pp x dp_replicate x dp_shard x tp, tp fastest-varying, and the
+"""`ParallelConfig`: the shape of a layout, pp x dp_replicate x dp_shard x cp x tp, tp fastest-varying, and the
 expert-parallel degree ``ep``, which borrows its ranks from ``dp_shard``.
+
+With ``cp > 1`` (context parallelism) each sample's sequence is split over the ``cp`` ranks that sit between
+``dp_shard`` and ``tp`` (torchtitan's order): they read the same samples, as tp peers do, and FSDP shards every
+state over ``dp_shard x cp`` (the flattened ``dp_shard_cp``), so a state lies exactly as on ``dp_shard * cp``
+without cp. Only the data split and the attention tell the two apart.
 
 With ``pp > 1`` the root mesh has a leading ``pp`` dimension: each pipeline stage is one whole
 ``(dp_replicate, dp_shard, tp)`` sub-mesh, positions ``[k * stage_size, (k + 1) * stage_size)`` for stage ``k``, and
@@ -23,8 +28,9 @@ if TYPE_CHECKING:
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
-_TERMS = ("pp",) + MESH_DIM_NAMES + ("ep",)
-_TERM = re.compile(r"^\s*(pp|dp_replicate|dp_shard|tp|ep)\s*=\s*(-?\d+)\s*$")
+CP_MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+_TERMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+_TERM = re.compile(r"^\s*(pp|dp_replicate|dp_shard|cp|tp|ep)\s*=\s*(-?\d+)\s*$")
 
 
 class LayoutError(ValueError, RuntimeError):
@@ -39,6 +45,7 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    cp: int = 1  # last, so positional construction (dp_replicate, dp_shard, tp, ep, pp) keeps its meaning
 
     def __post_init__(self) -> None:
         for name in _TERMS:
@@ -51,10 +58,15 @@ class ParallelConfig:
                 f"choose dp_shard a multiple of {self.ep} (e.g. dp_shard={self.ep * max(1, self.dp_shard // self.ep)}) "
                 f"or an ep that divides {self.dp_shard}"
             )
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(
+                f"cp={self.cp} with ep={self.ep}: context parallelism is not supported with expert parallelism yet "
+                "(the routed experts' mesh would have to span dp_shard x cp): use ep=1 or cp=1"
+            )
 
     @classmethod
     def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
-        """Parse ``"pp=P,dp_replicate=R,dp_shard=S,tp=T,ep=E"``; a missing term is 1."""
+        """Parse ``"pp=P,dp_replicate=R,dp_shard=S,cp=C,tp=T,ep=E"``; a missing term is 1."""
         if isinstance(text, ParallelConfig):
             return text
         if not isinstance(text, str) or not text.strip():
@@ -66,7 +78,8 @@ class ParallelConfig:
             match = _TERM.match(term)
             if not match:
                 raise ValueError(
-                    f"cannot parse {term.strip()!r} in layout {text!r}: each term is pp=N, dp_replicate=N, dp_shard=N, tp=N or ep=N"
+                    f"cannot parse {term.strip()!r} in layout {text!r}: each term is pp=N, dp_replicate=N, dp_shard=N, "
+                    "cp=N, tp=N or ep=N"
                 )
             name, value = match.group(1), int(match.group(2))
             if name in values:
@@ -80,8 +93,24 @@ class ParallelConfig:
 
     @property
     def stage_size(self) -> int:
-        """Positions of one pipeline stage: dp_replicate * dp_shard * tp (the whole world without pp)."""
-        return self.dp_replicate * self.dp_shard * self.tp
+        """Positions of one pipeline stage: dp_replicate * dp_shard * cp * tp (the whole world without pp)."""
+        return self.dp_replicate * self.fsdp_shard * self.tp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """The ranks FSDP shards a dense state over: dp_shard * cp (cp ranks hold shards as dp_shard ranks do)."""
+        return self.dp_shard * self.cp
+
+    def sequence_chunk(self, seq_len: int) -> int:
+        """The tokens of one of a sequence's ``2 * cp`` load-balanced chunks; a LayoutError when they do not divide
+        ``seq_len``."""
+        if seq_len % (2 * self.cp):
+            raise LayoutError(
+                f"cp={self.cp} splits each sequence into 2*cp = {2 * self.cp} equal chunks (rank i holds chunks i and "
+                f"{2 * self.cp - 1}-i, which balances causal attention), and the sequence length {seq_len} is not a "
+                f"multiple of {2 * self.cp}: choose a sequence length that is, or a smaller cp"
+            )
+        return seq_len // (2 * self.cp)
 
     def stage_of(self, position: int) -> int:
         """The pipeline stage (pp coordinate) of a mesh position."""
@@ -94,8 +123,9 @@ class ParallelConfig:
         return out + [ParallelConfig(dp_shard=count)]
 
     def dp_rank_of(self, position: int) -> int:
-        """The data-parallel rank of a mesh position: every stage's positions of one dp index read one batch."""
-        return (position % self.stage_size) // self.tp
+        """The data-parallel rank of a mesh position: every stage's positions of one dp index read one batch, the
+        cp and tp ranks of it included."""
+        return (position % self.stage_size) // (self.cp * self.tp)
 
     @property
     def dp_size(self) -> int:
@@ -104,15 +134,19 @@ class ParallelConfig:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """The root mesh: ``(dp_replicate, dp_shard, tp)``, or ``(dp_replicate, efsdp, ep, tp)`` with ep; with pp, a
-        leading ``pp`` dimension."""
-        shape = (self.dp_replicate, self.dp_shard, self.tp) if self.ep == 1 else \
-            (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        """The root mesh: ``(dp_replicate, dp_shard, tp)``, ``(dp_replicate, efsdp, ep, tp)`` with ep,
+        ``(dp_replicate, dp_shard, cp, tp)`` with cp; with pp, a leading ``pp`` dimension."""
+        if self.ep > 1:
+            shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        elif self.cp > 1:
+            shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        else:
+            shape = (self.dp_replicate, self.dp_shard, self.tp)
         return ((self.pp,) if self.pp > 1 else ()) + shape
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        names = MESH_DIM_NAMES if self.ep == 1 else EP_MESH_DIM_NAMES
+        names = EP_MESH_DIM_NAMES if self.ep > 1 else CP_MESH_DIM_NAMES if self.cp > 1 else MESH_DIM_NAMES
         return (("pp",) if self.pp > 1 else ()) + names
 
     @property
@@ -122,7 +156,7 @@ class ParallelConfig:
 
     def without_pp(self) -> "ParallelConfig":
         """One stage's layout: the same data and tensor parallelism without pipeline stages."""
-        return ParallelConfig(self.dp_replicate, self.dp_shard, self.tp, self.ep)
+        return ParallelConfig(self.dp_replicate, self.dp_shard, self.tp, self.ep, cp=self.cp)
 
     @property
     def efsdp(self) -> int:
@@ -131,41 +165,48 @@ class ParallelConfig:
 
     def flattened_dims(self) -> dict[str, tuple[str, ...]]:
         """Names a mesh of this layout also answers to, each a flattening of root dimensions: ``dp_shard`` with ep,
-        and Lightning's ``data_parallel`` and ``tensor_parallel`` (so code written for ModelParallelStrategy runs)."""
-        dp_shard = ("efsdp", "ep") if self.ep > 1 else ("dp_shard",)
-        out = {"dp_shard": dp_shard} if self.ep > 1 else {}
+        ``dp_shard_cp`` (what FSDP shards over) with cp, and Lightning's ``data_parallel`` and ``tensor_parallel``
+        (so code written for ModelParallelStrategy runs). With cp, ``data_parallel`` spans cp too: code that
+        shards over it then reduces gradients over the cp ranks, which see different tokens of one sample."""
+        dp_shard = ("efsdp", "ep") if self.ep > 1 else ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
+        out = {"dp_shard": dp_shard} if self.ep > 1 else {"dp_shard_cp": dp_shard} if self.cp > 1 else {}
         out["data_parallel"] = ("dp_replicate",) + dp_shard
         out["tensor_parallel"] = ("tp",)
         return out
 
     def root_dims(self, name: str) -> tuple[int, ...]:
-        """The root mesh dimensions a named dimension spans (``dp_shard`` is ``(efsdp, ep)`` with ep)."""
+        """The root mesh dimensions a named dimension spans (``dp_shard`` is ``(efsdp, ep)`` with ep; ``dp_shard_cp``,
+        what FSDP shards over, is ``(dp_shard, cp)`` with cp and ``dp_shard`` without)."""
         names = self.mesh_dim_names
         if name == "dp_shard" and self.ep > 1:
             return (names.index("efsdp"), names.index("ep"))
+        if name == "dp_shard_cp":
+            return self.root_dims("dp_shard") + ((names.index("cp"),) if self.cp > 1 else ())
         if name not in names:
             raise ValueError(f"layout {self.short()} has no mesh dimension {name!r}; it has {', '.join(names)}")
         return (names.index(name),)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """Mesh coordinate (r, s, t) within its stage of a position in the default order:
-        rank = ((p*R + r)*S + s)*T + t."""
+        rank = ((p*R + r)*S + s)*T + t, where ``s`` runs over FSDP's ``dp_shard * cp`` ranks (s = dp_shard index * cp
+        + cp index)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} for layout {self}")
         rank %= self.stage_size
         t = rank % self.tp
-        s = (rank // self.tp) % self.dp_shard
-        r = rank // (self.tp * self.dp_shard)
+        s = (rank // self.tp) % self.fsdp_shard
+        r = rank // (self.tp * self.fsdp_shard)
         return r, s, t
 
     def rank_of(self, r: int, s: int, t: int, p: int = 0) -> int:
-        return ((p * self.dp_replicate + r) * self.dp_shard + s) * self.tp + t
+        return ((p * self.dp_replicate + r) * self.fsdp_shard + s) * self.tp + t
 
     def validate(self, model: "ModelConfig | None" = None, world_size: int | None = None) -> "ParallelConfig":
         """Raise ValueError naming the constraint that fails; return self when it fits."""
         if world_size is not None and self.world_size != world_size:
             raise LayoutError(
-                f"layout {self} needs {'pp*' if self.pp > 1 else ''}dp_replicate*dp_shard*tp = {self.world_size} devices, "
+                f"layout {self} needs {'pp*' if self.pp > 1 else ''}dp_replicate*dp_shard*{'cp*' if self.cp > 1 else ''}"
+                f"tp = {self.world_size} devices, "
                 f"but there are {world_size}: change the layout so the product is {world_size}"
             )
         n_layers = getattr(model, "n_layers", None) if model is not None else None
@@ -173,6 +214,11 @@ class ParallelConfig:
             raise LayoutError(
                 f"pp={self.pp} needs at least one layer per stage, and model {model.name!r} has {n_layers}: choose "
                 f"pp <= {n_layers}"
+            )
+        if model is not None and self.cp > 1 and getattr(model, "n_experts", None) is not None:
+            raise LayoutError(
+                f"cp={self.cp}: context parallelism is not supported for mixture-of-experts models yet (model "
+                f"{model.name!r}; their load-balancing loss is taken over whole sequences): use cp=1"
             )
         if model is not None and self.ep > 1:
             n_experts = getattr(model, "n_experts", None)
@@ -218,7 +264,8 @@ class ParallelConfig:
         return cls(dp_shard=dp, tp=tp)
 
     def __str__(self) -> str:
-        text = f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},tp={self.tp}"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        text = f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard}{cp},tp={self.tp}"
         text = text if self.ep == 1 else f"{text},ep={self.ep}"
         return text if self.pp == 1 else f"pp={self.pp},{text}"
 

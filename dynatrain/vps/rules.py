@@ -1,7 +1,8 @@
 """Which boxes of a state each mesh position holds, as `apply_tp` then `apply_fsdp` place them.
 
 TP shards first: colwise/embedding weights on dim 0, rowwise on dim 1, norms stay whole. FSDP2 then splits
-dim 0 of the *TP-local* tensor over dp_shard; dp_replicate copies the result. Both splits follow
+dim 0 of the *TP-local* tensor over dp_shard (dp_shard x cp with context parallelism, whose ranks shard states
+as dp_shard ranks do); dp_replicate copies the result. Both splits follow
 ``torch.chunk``: chunks of ``ceil(n / parts)``, so the last chunks are short or empty when ``parts`` does not
 divide ``n`` (DTensor's ``Shard`` and FSDP2 pad the same way and never move data between chunks).
 
@@ -103,8 +104,9 @@ def _other_dims(ranges: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, ..
 
 
 def local_shards(rule: ShardRule, pcfg: ParallelConfig, s: int, t: int) -> LocalShards:
-    """The shards at dp_shard index ``s`` and tp index ``t`` (every dp_replicate index holds the same)."""
-    return _shards_from_ranges(_tp_ranges(rule, pcfg.tp, t), pcfg.dp_shard, s)
+    """The shards at FSDP index ``s`` (over dp_shard x cp) and tp index ``t`` (every dp_replicate index holds the
+    same)."""
+    return _shards_from_ranges(_tp_ranges(rule, pcfg.tp, t), pcfg.fsdp_shard, s)
 
 
 def _st_arrays(ranges: list[list[tuple[int, int]]], dp_shard: int):
@@ -140,8 +142,9 @@ def _st_arrays(ranges: list[list[tuple[int, int]]], dp_shard: int):
 
 
 def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> ClassShards:
-    """`local_shards` for every mesh position in the default order, position = (r*S + s)*T + t, as arrays."""
-    tp, S = pcfg.tp, pcfg.dp_shard
+    """`local_shards` for every mesh position in the default order, position = (r*S + s)*T + t (S: dp_shard * cp),
+    as arrays."""
+    tp, S = pcfg.tp, pcfg.fsdp_shard
     per_t = [_st_arrays(_tp_ranges(rule, tp, t), S) for t in range(tp if rule.tp_dim is not None else 1)]
     if rule.tp_dim is None:
         # Replicated over TP: one computation per dp_shard index serves every t.
@@ -161,14 +164,15 @@ def layout_shards(rule: ShardRule, pcfg: ParallelConfig) -> ClassShards:
 
 def rule_sharding(rule: ShardRule, pcfg: ParallelConfig) -> Sharding:
     """The placements `apply_tp` then `fully_shard` give a state of this rule on the (dp_replicate, dp_shard, tp)
-    mesh: FSDP2 chunks dim 0 of the TP-local tensor, which DTensor records as a strided shard when TP split dim 0."""
+    mesh (with cp, FSDP2 shards over dp_shard x cp): FSDP2 chunks dim 0 of the TP-local tensor, which DTensor records
+    as a strided shard when TP split dim 0."""
     if rule.fused is not None:
         raise ValueError("a fused projection's parts are split one by one: no single placement describes it")
     placements, dims = [], []
-    if pcfg.dp_shard > 1:
+    if pcfg.fsdp_shard > 1:
         strided = rule.tp_dim == 0 and pcfg.tp > 1
         placements.append(StridedShard(0, pcfg.tp) if strided else Shard(0))
-        dims.append(pcfg.root_dims("dp_shard"))
+        dims.append(pcfg.root_dims("dp_shard_cp"))
     if rule.tp_dim is not None and pcfg.tp > 1:
         placements.append(Shard(rule.tp_dim))
         dims.append(pcfg.root_dims("tp"))
