@@ -23,6 +23,7 @@ class _SimulatedRank(ContextParallel):
 
     def __init__(self, size: int, rank: int, whole: dict) -> None:
         self.size, self.rank, self.whole = size, rank, whole
+        self._mask = None
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         full = self.whole[id(x)]
@@ -112,3 +113,22 @@ def test_cp_placements_captured_from_a_build_equal_the_analytic_ones(one_process
         for p in range(pcfg.world_size):
             assert analytic.shards(spec.name, p) == captured.shards(spec.name, p) == flat.shards(spec.name, p), \
                 (layout, spec.name, p)
+
+
+def test_memory_and_step_models_count_cp_savings_and_the_gathered_keys_and_values():
+    from dynatrain.policy.inputs import CostModel, Devices, Workload
+    from dynatrain.policy.memory_model import estimate_memory
+    from dynatrain.policy.step_model import estimate_step
+
+    cfg = MODEL_CONFIGS["llama3-8b"].with_overrides(max_seq_len=32768)
+    work = Workload(cfg, seq_len=32768, global_batch=32, micro_batch=1)
+    flat, split = estimate_memory(ParallelConfig(dp_shard=32), work), estimate_memory(ParallelConfig(dp_shard=4, cp=8), work)
+    # states shard over dp_shard x cp as over dp_shard alone; a cp rank keeps an eighth of the tokens' activations,
+    # plus each layer's keys and values of the whole sequence (8 kv heads x 128, bf16) and one bool mask
+    assert split.states == flat.states and split.grads == flat.grads
+    gathered_kv = 32 * 32768 * 2 * 8 * 128 * 2 + 32768 / 8 * 32768
+    assert split.activations == pytest.approx(flat.activations / 8 + gathered_kv, rel=1e-12)
+    assert split.logits == pytest.approx(flat.logits / 8, rel=1e-12)
+    devices = Devices(count=32, memory_bytes=80 * 2**30, per_node=8, flops=989e12)
+    times = {c: estimate_step(ParallelConfig(dp_shard=32 // c, cp=c), devices, work, CostModel(), 8) for c in (1, 8)}
+    assert times[1].cp == 0 and 0 < times[8].cp < times[8].total

@@ -141,7 +141,8 @@ def format_plan(plan: RecipePlan) -> str:
     if c.time is not None:
         t = c.time
         lines.append(f"  step            {t.total:.3f} s, {c.tokens_per_second:,.0f} tokens/s (compute {t.compute:.3f}"
-                     f" of which recompute {t.recompute:.3f}, tp {t.tp:.3f}, ep {t.ep:.3f}, fsdp {t.fsdp:.3f}, hsdp "
+                     f" of which recompute {t.recompute:.3f}, tp {t.tp:.3f}, ep {t.ep:.3f}, cp {t.cp:.3f}, fsdp {t.fsdp:.3f}, "
+                     f"hsdp "
                      f"{t.hsdp:.3f}, hidden -{t.hidden:.3f}, bubble {t.bubble:.3f}, p2p {t.p2p:.3f})")
     for reason in c.reasons:
         lines.append(f"  cannot run: {reason}")

@@ -39,6 +39,7 @@ class ContextParallel:
         self.size = mesh.size()
         # From the mesh's coordinates, not its group: a probe mesh has no usable group.
         self.rank = mesh.get_coordinate()[0]
+        self._mask: tuple | None = None
 
     def chunks(self) -> tuple[int, int]:
         """The indices, among the sequence's ``2 * size`` chunks, of the two this rank holds."""
@@ -68,13 +69,19 @@ class ContextParallel:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys and values. ``q``, ``k``, ``v``:
         ``(batch, heads, local_len, head_dim)`` of this rank's tokens (grouped-query heads allowed)."""
-        local = q.shape[2]
         k_all, v_all = self._gather(k), self._gather(v)
-        q_pos = self.positions(local, device=q.device)
-        k_pos = torch.cat([self.positions(local, r, device=q.device) for r in range(self.size)])
-        mask = k_pos[None, :] <= q_pos[:, None]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=self.mask(q.shape[2], q.device),
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+    def mask(self, local_len: int, device) -> torch.Tensor:
+        """Which of the gathered keys (every rank's, in rank order) each of this rank's queries may see: those at
+        or before its global position. One tensor for every layer and step (it is saved for backward: one copy)."""
+        key = (local_len, str(device))
+        if self._mask is None or self._mask[0] != key:
+            q_pos = self.positions(local_len, device=device)
+            k_pos = torch.cat([self.positions(local_len, r, device=device) for r in range(self.size)])
+            self._mask = (key, k_pos[None, :] <= q_pos[:, None])
+        return self._mask[1]
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` of every cp rank, concatenated along the sequence (dim 2) in rank order; gradients flow back."""

@@ -24,12 +24,17 @@ def _group(positions: Sequence[int], per_node: int) -> Group:
 
 
 def dp_groups(cfg: ParallelConfig, per_node: int) -> tuple[Group, Group]:
-    """The dp_shard and dp_replicate groups through position 0 (mesh order (r*S + s)*T + t); the others are
-    translations of them."""
-    r, s, t = cfg.dp_replicate, cfg.dp_shard, cfg.tp
+    """The FSDP (dp_shard x cp) and dp_replicate groups through position 0 (mesh order (r*S + s)*T + t, S =
+    dp_shard * cp); the others are translations of them."""
+    r, s, t = cfg.dp_replicate, cfg.fsdp_shard, cfg.tp
     shard = [i * t for i in range(s)]
     replicate = [i * s * t for i in range(r)]
     return _group(shard, per_node), _group(replicate, per_node)
+
+
+def cp_group(cfg: ParallelConfig, per_node: int) -> Group:
+    """The cp group through position 0: ``cp`` positions ``tp`` apart."""
+    return _group([i * cfg.tp for i in range(cfg.cp)], per_node)
 
 
 def expert_groups(cfg: ParallelConfig, per_node: int) -> tuple[Group, Group]:

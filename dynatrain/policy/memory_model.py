@@ -74,28 +74,43 @@ def _logit_bytes_per_token(model: ModelConfig, work: Workload, tp: int) -> float
     return model.vocab_size / split * (e + upcast + 4)
 
 
+def cp_attention_bytes(model: ZooConfig, work: Workload, cfg: ParallelConfig, layers: int) -> float:
+    """Context parallelism's own activation bytes of ``layers`` blocks, one micro-batch: every attention keeps the
+    whole sequence's keys and values, all-gathered from the cp group, for its backward (a block checkpointed whole
+    gathers them again when it recomputes, one block at a time), and the mask of this rank's queries over every key
+    (one tensor, shared by every layer)."""
+    if cfg.cp == 1:
+        return 0.0
+    kv = spec_for(model).attention_width(model) * model.n_kv_heads / model.n_heads / cfg.tp
+    gathered = work.micro_batch * work.seq_len * 2 * kv * DTYPE_ITEMSIZE[work.compute_dtype]
+    kept = layers - checkpointed_layers(work, layers)
+    return (kept + (1 if kept < layers else 0)) * gathered + work.seq_len / cfg.cp * work.seq_len
+
+
 def estimate_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
     if cfg.pp > 1:
         return _pipeline_memory(cfg, work)
     model = work.model
     sizes = model_sizes(model, cfg.tp)
     # Routed experts split over ep and then over efsdp: every dp_shard rank holds 1/dp_shard of them, whatever ep.
-    shard = (sizes.tp_local + sizes.experts) / cfg.dp_shard
+    # With cp, FSDP shards over dp_shard x cp.
+    shard = (sizes.tp_local + sizes.experts) / cfg.fsdp_shard
     # A block gathers its experts over efsdp only: each rank computes with its ep group's share.
     block = sizes.block + sizes.expert_block / cfg.ep
     ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
     gathered = 0.0
-    if cfg.dp_shard > 1 or work.compute_dtype != work.weight_dtype:
+    if cfg.fsdp_shard > 1 or work.compute_dtype != work.weight_dtype:
         # The root stays gathered through forward and backward; prefetch holds the current and next block.
         gathered += (sizes.root + 2 * block) * ce
-    if cfg.dp_size > 1:
+    if cfg.dp_size * cfg.cp > 1:
         gathered += block * re  # one block's gradient before it is reduced
-    tokens = work.micro_batch * work.seq_len
+    tokens = work.micro_batch * work.seq_len / cfg.cp  # a cp rank computes its part of every sequence
     return MemoryEstimate(
         states=shard * work.state_bytes,
         grads=shard * work.grad_bytes,
         gathered=gathered,
-        activations=tokens * _activation_bytes_per_token(model, work, cfg.tp),
+        activations=tokens * _activation_bytes_per_token(model, work, cfg.tp)
+        + cp_attention_bytes(model, work, cfg, model.n_layers),
         logits=tokens * _logit_bytes_per_token(model, work, cfg.tp),
     )
 

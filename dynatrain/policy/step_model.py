@@ -11,7 +11,7 @@ from dynatrain.planner.pipeline_cost import (
     StageTerms, boundary_inside_node, p2p_seconds, pipeline_step, stage_params, tp_all_reduces,
 )
 from dynatrain.policy.comm import (
-    Group, all_to_all_seconds, collective_seconds, dp_groups, expert_groups, inter_share,
+    Group, all_to_all_seconds, collective_seconds, cp_group, dp_groups, expert_groups, inter_share,
 )
 from dynatrain.policy.inputs import CostModel, Devices, Workload
 from dynatrain.policy.sizes import ModelSizes, model_sizes, pipeline_loads
@@ -30,13 +30,14 @@ class StepTime:
     tp: float      # activation all-reduces and the logits all-gather inside the TP group
     hidden: float  # data-parallel communication hidden behind compute
     ep: float = 0.0  # token dispatch and combine all-to-alls inside the ep group (mixture of experts)
+    cp: float = 0.0  # keys and values all-gathered inside the cp group, their gradients reduce-scattered
     bubble: float = 0.0  # pipeline stages idle while the pipeline fills and drains (pp > 1)
     p2p: float = 0.0     # activations and their gradients sent between pipeline stages (pp > 1)
     recompute: float = 0.0  # of ``compute``, the checkpointed blocks' forward run again in the backward
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.ep + self.fsdp + self.hsdp - self.hidden + self.bubble + self.p2p
+        return self.compute + self.tp + self.ep + self.cp + self.fsdp + self.hsdp - self.hidden + self.bubble + self.p2p
 
 
 def recompute_fraction(work: Workload) -> float:
@@ -77,7 +78,7 @@ def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: C
     layers = model.n_layers
 
     fsdp = 0.0
-    if cfg.dp_shard > 1:
+    if cfg.fsdp_shard > 1:
         # Forward gathers every unit; backward gathers again all but the last block and the root, which
         # stay gathered after forward; every unit's gradient is reduce-scattered. All of it per micro-batch.
         gather = (2 * sizes.tp_local - sizes.block - sizes.root) * ce
@@ -87,17 +88,17 @@ def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: C
     fsdp += _expert_fsdp_seconds(cfg, sizes, devices, work)
     hsdp = 0.0
     if cfg.dp_replicate > 1:
-        local = (sizes.tp_local + sizes.experts) / cfg.dp_shard
+        local = (sizes.tp_local + sizes.experts) / cfg.fsdp_shard
         hsdp = (collective_seconds(local * re, replicate_group, devices, all_reduce=True)
                 + (layers + 1) * latency)
     tp = 0.0
     if cfg.tp > 1:
         tp_group = Group(cfg.tp, 1, cfg.tp)
-        activation = work.micro_batch * work.seq_len * model.dim * ce
+        activation = work.micro_batch * work.seq_len / cfg.cp * model.dim * ce
         # Two all-reduces per block forward, two backward; the embedding's output and the output layer's
         # input gradient; the full-vocabulary logits gathered once.
         reduces = 4 * layers + 2
-        logits = work.micro_batch * work.seq_len * model.vocab_size * ce
+        logits = work.micro_batch * work.seq_len / cfg.cp * model.vocab_size * ce
         tp = (reduces * collective_seconds(activation, tp_group, devices, all_reduce=True)
               + collective_seconds(logits, tp_group, devices, all_reduce=False)
               + (reduces + 1) * latency)
@@ -106,7 +107,23 @@ def estimate_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: C
     dp_comm = micro_steps * (fsdp + hsdp)
     ep = _all_to_all_step_seconds(cfg, devices, work)
     return StepTime(micro_steps, compute, micro_steps * fsdp, micro_steps * hsdp, micro_steps * tp,
-                    hidden=min(dp_comm, cost.overlap * compute), ep=micro_steps * ep, recompute=recompute)
+                    hidden=min(dp_comm, cost.overlap * compute), ep=micro_steps * ep, recompute=recompute,
+                    cp=micro_steps * cp_seconds(cfg, devices, work))
+
+
+def cp_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> float:
+    """One micro-batch's context-parallel collectives: per block, keys and values all-gathered in the forward (and
+    again when a checkpointed block recomputes) and their gradients reduce-scattered in the backward, each the
+    whole sequence's on every cp rank."""
+    if cfg.cp == 1:
+        return 0.0
+    model = work.model
+    kv = spec_for(model).attention_width(model) * model.n_kv_heads / model.n_heads / cfg.tp
+    whole = work.micro_batch * work.seq_len * kv * DTYPE_ITEMSIZE[work.compute_dtype]
+    group = cp_group(cfg, devices.per_node)
+    per_block = 2 * (2 + recompute_fraction(work)) * (collective_seconds(whole, group, devices, all_reduce=False)
+                                                      + devices.network.round_latency_s)
+    return model.n_layers * per_block
 
 
 def _pipeline_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: CostModel,
