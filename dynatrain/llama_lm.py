@@ -165,6 +165,12 @@ class CausalLM(pl.LightningModule):
         for loss, part in zip(losses, labels.chunk(len(losses)) if losses else ()):
             self._record(loss, shard_labels(self.model, part))
 
+    def on_pipeline_shapes_inferred(self) -> None:
+        """The pipeline's first step ran an extra forward and backward to learn the shapes between stages (on
+        placeholder activations past the first stage): what its routers counted is not the step's load."""
+        if self.routed_experts:
+            moe_lm.reset_counts(self.model)
+
     def on_pipeline_validation_loss(self, loss: torch.Tensor) -> None:
         self.log("val/loss", loss, sync_dist=True, prog_bar=True)
         self._pipeline_val.append(loss.detach())
@@ -175,7 +181,11 @@ class CausalLM(pl.LightningModule):
         device = self.device if self.device.type != "meta" else torch.device("cpu")
         held = torch.stack(self._micro_losses).mean() if self._micro_losses else torch.zeros((), device=device)
         has = torch.ones_like(held) if self._micro_losses else torch.zeros_like(held)
-        aux = torch.stack(self._micro_aux).mean() if self._micro_aux else torch.zeros_like(held)
+        pp = _pp_size(self.trainer.strategy)
+        # Under pp no training_step sees the auxiliary loss: each stage sums its own layers' over the step.
+        staged = moe_lm.stage_aux(self.model) if pp > 1 and self.routed_experts else None
+        aux = torch.stack(self._micro_aux).mean() if self._micro_aux else \
+            staged.to(held) if staged is not None else torch.zeros_like(held)
         tokens = torch.tensor(float(self._step_tokens), device=held.device)
         counts = moe_lm.local_counts(self.model) if self.routed_experts else held.new_zeros(0, 0)
         # One collective for the step's figures: losses, tokens and every router's counts.
@@ -183,10 +193,11 @@ class CausalLM(pl.LightningModule):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             # Every rank of a TP group holds the same loss and routes the same tokens: the mean over the ranks
-            # holding a loss is the data-parallel mean, and token sums count each data-parallel rank tp times.
+            # holding a loss is the data-parallel mean, and token sums count each data-parallel rank tp times. Under
+            # pp each stage's ranks hold their layers' auxiliary loss and counts only: the sum over stages is whole.
             tp = _tp_size(self.trainer.strategy)
             flat[0] /= flat[3]
-            flat[1] /= dist.get_world_size()
+            flat[1] /= dist.get_world_size() // pp
             flat[2] /= tp
             flat[4:] /= tp
         step_loss, aux, tokens = flat[0], flat[1], flat[2]
@@ -196,7 +207,7 @@ class CausalLM(pl.LightningModule):
         self.log("train/lr", optimizer.param_groups[0]["lr"], rank_zero_only=True)
         if elapsed > 0:
             self.log("train/tokens_per_s", tokens / elapsed, prog_bar=True, rank_zero_only=True)
-        if self._micro_aux:
+        if self._micro_aux or staged is not None:
             self.log("train/aux_loss", aux, rank_zero_only=True)
         if self.routed_experts:
             self._expert_load_step(flat[4:].view_as(counts))
@@ -295,6 +306,11 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             # whatever sums and logs it (backward still runs through the DTensor ops).
             return F.cross_entropy(flat, labels.flatten()).to_local()
     return F.cross_entropy(flat, labels.flatten())
+
+
+def _pp_size(strategy) -> int:
+    pcfg = getattr(strategy, "parallel_config", None)
+    return pcfg.pp if isinstance(pcfg, ParallelConfig) else 1
 
 
 def _tp_size(strategy) -> int:

@@ -1,9 +1,9 @@
 """The mixture-of-experts side of the zoo's LightningModule (`dynatrain.llama_lm.CausalLM`).
 
 An MoE model is built and parallelised through its kind's spec (`models.registry`: `models.builders.build_moe` and
-`parallelize_moe_for`, ep included), and its routers' load is read from each layer's ``tokens_per_expert``: summed
-over the data-parallel ranks once per optimizer step, it moves the expert bias and gives the expert-load metrics
-(tokens per expert and max/mean).
+`parallelize_moe_for`, ep and pp included), and its routers' load is read from each layer's ``tokens_per_expert``:
+summed over the data-parallel ranks (and the pipeline stages, each holding its layers' rows) once per optimizer step,
+it moves the expert bias and gives the expert-load metrics (tokens per expert and max/mean).
 """
 
 from __future__ import annotations
@@ -21,25 +21,41 @@ def zoo_config(name: str, overrides: dict | None = None) -> ZooConfig:
 
 
 # ---- the routers' load ------------------------------------------------------------------------------------
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    return [layer.moe for layer in model.layers.values()]
+def moe_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """The MoE of every layer this rank holds, by layer index (a pipeline stage holds some of them)."""
+    return {int(key): layer.moe for key, layer in model.layers.items()}
 
 
 def local_counts(model: nn.Module) -> torch.Tensor:
-    """This rank's tokens per expert since the last step, ``[n_layers, n_experts]`` in fp32 (the buffers may be
-    bf16 under bf16-true precision, where counts above 256 are no longer exact)."""
-    return torch.stack([moe.tokens_per_expert.float() for moe in moe_layers(model)])
+    """This rank's tokens per expert since the last step, ``[n_layers, n_experts]`` of the whole model in fp32 (the
+    buffers may be bf16 under bf16-true precision, where counts above 256 are no longer exact); the rows of layers
+    another pipeline stage holds are zero, so a sum over every rank has each layer's counts once per dp rank."""
+    layers = moe_layers(model)
+    cfg = model.config
+    device = next(iter(layers.values())).tokens_per_expert.device
+    counts = torch.zeros(cfg.n_layers, cfg.n_experts, device=device)
+    for i, moe in layers.items():
+        counts[i] = moe.tokens_per_expert.float()
+    return counts
 
 
 def apply_load(model: nn.Module, counts: torch.Tensor) -> None:
-    """Move every layer's expert bias by the job's load of the step and start counting again."""
-    for moe, layer_counts in zip(moe_layers(model), counts):
-        moe.update_expert_bias(layer_counts.to(moe.tokens_per_expert.dtype))
+    """Move the expert bias of every layer this rank holds by the job's load of the step and start counting again."""
+    for i, moe in moe_layers(model).items():
+        moe.update_expert_bias(counts[i].to(moe.tokens_per_expert.dtype))
 
 
 def reset_counts(model: nn.Module) -> None:
-    for moe in moe_layers(model):
-        moe.tokens_per_expert.zero_()
+    """Forget the tokens routed and the auxiliary losses since the last step."""
+    for moe in moe_layers(model).values():
+        moe.reset_stats()
+
+
+def stage_aux(model: nn.Module) -> torch.Tensor | None:
+    """The step's auxiliary loss of the layers this rank holds: per layer the mean over its training forwards,
+    summed (None when no layer computed one). Under pp each stage's share; their sum over stages is the model's."""
+    means = [moe.aux_sum / moe.aux_forwards for moe in moe_layers(model).values() if moe.aux_forwards]
+    return torch.stack(means).sum() if means else None
 
 
 def imbalance(counts: torch.Tensor) -> torch.Tensor:

@@ -93,12 +93,16 @@ def test_a_moe_layout_places_routed_experts_over_ep(layout):
     assert _placed(layout_for_model("moe-debug", pcfg)) == _placed(expected)
 
 
-def test_pipeline_stages_are_the_dense_kinds_only():
+def test_both_kinds_split_into_pipeline_stages_and_a_kind_without_a_split_is_refused_pp():
+    import dataclasses
+
     dense, moe = spec_for(DEBUG), spec_for(MOE_DEBUG)
     assert dense.pipeline and dense.stages(DEBUG, 2) == ((0, 2), (2, 4))
-    assert not moe.pipeline
+    assert moe.pipeline and moe.stages(MOE_DEBUG, 2) == ((0, 1), (1, 2))
+    unsplit = dataclasses.replace(moe, stage_split=None)
+    assert not unsplit.pipeline
     with pytest.raises(ValueError, match="not supported for mixture-of-experts models yet: use pp=1"):
-        moe.stages(MOE_DEBUG, 2)
+        unsplit.stages(MOE_DEBUG, 2)
 
 
 def test_the_policy_terms_of_the_debug_configs_keep_their_figures():

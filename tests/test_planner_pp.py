@@ -91,8 +91,9 @@ def test_too_many_stages_and_experts_are_refused_with_what_to_change():
         layout_for_model(DEBUG, P("pp=8"))
     with pytest.raises(ValueError, match="stages_per_rank must be a positive integer"):
         layout_for_model(DEBUG, P("pp=2"), stages_per_rank=0)
-    with pytest.raises(ValueError, match="not supported for mixture-of-experts models yet: use pp=1"):
-        layout_for_model("moe-debug", P("pp=2,dp_shard=2"))
+    # A mixture of experts too: its stages need a layer each (moe-debug has 2).
+    with pytest.raises(ValueError, match=r"pp=2 x stages_per_rank=2 = 4 pipeline stages .* has 2"):
+        layout_for_model("moe-debug", P("pp=2,dp_shard=2,ep=2"), stages_per_rank=2)
     # A pp shape alone does not say which layers a stage holds: the planner wants the Layout.
     with pytest.raises(ValueError, match="pass the target as a Layout"):
         plan_switch(layout_for_model(DEBUG, P("dp_shard=4")), "pp=2,dp_shard=2")
@@ -193,5 +194,5 @@ def test_plan_cli_refuses_too_many_stages_without_a_traceback(capsys):
     assert "choose pp x stages_per_rank <= 4" in err and "Traceback" not in err
     assert plan_cli.main(["--model", "debug", "--from", "dp_shard=2", "--to", "pp=8"]) == 2
     assert "choose pp <= 4" in capsys.readouterr().err
-    assert plan_cli.main(["--model", "moe-debug", "--from", "dp_shard=4", "--to", "pp=2,dp_shard=2"]) == 2
-    assert "use pp=1" in capsys.readouterr().err
+    assert plan_cli.main(["--model", "moe-debug", "--from", "dp_shard=4,ep=4", "--to", "pp=4"]) == 2
+    assert "choose pp <= 2" in capsys.readouterr().err

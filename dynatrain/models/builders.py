@@ -34,8 +34,9 @@ def parallelize_dense_for(model, mesh, pcfg, strategy) -> None:
 
 
 def parallelize_moe_for(model, mesh, pcfg, strategy) -> None:
-    """Data, tensor and expert parallelism for ``pcfg`` (the strategy's layout, the target's while a switch builds
-    it; under Lightning's ModelParallelStrategy data and tensor parallelism on its mesh)."""
+    """Pipeline, data, tensor and expert parallelism for ``pcfg`` (the strategy's layout, the target's while a switch
+    builds it, with its ``stages_per_rank``; under Lightning's ModelParallelStrategy data and tensor parallelism on
+    its mesh)."""
     import torch
 
     from dynatrain.models.checkpointing import ActivationCheckpointing
@@ -45,15 +46,13 @@ def parallelize_moe_for(model, mesh, pcfg, strategy) -> None:
     if getattr(strategy, "sequence_parallel", False):
         raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
                          "sequence_parallel to false")
-    if pcfg.pp > 1:
-        raise ValueError(f"pipeline parallelism is not supported for mixture-of-experts models yet (their router "
-                         f"losses and token counts span every stage): use pp=1, not {pcfg.short()}")
     policy = ActivationCheckpointing.parse(getattr(strategy, "activation_checkpointing", None))
     if policy.per_op and pcfg.ep > 1:
         raise ValueError(f"activation_checkpointing='selective:op' does not work with ep > 1 ({pcfg.short()}): the "
                          "routed experts' own FSDP runs other ops when the block is recomputed than in its forward; "
                          "use 'full' or 'selective:N' with expert parallelism")
-    parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None))
+    parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None),
+                    stages_per_rank=getattr(strategy, "stages_per_rank", 1) if pcfg.pp > 1 else 1)
     # After FSDP here, which is the same as before it: neither wraps a module, both replace the block's forward.
     backend = getattr(strategy, "compile_backend", None)
     apply_block_options(model, policy, backend)

@@ -54,8 +54,10 @@ def dense_layout(cfg: ModelConfig, pcfg: ParallelConfig, kind: str = "fp32-adam"
     return pipeline_layout(cfg, pcfg, kind, rank_map, stages_per_rank)
 
 
-def pipeline_stage_split(cfg: ModelConfig, pp: int, stages_per_rank: int = 1) -> tuple[tuple[int, int], ...]:
-    """The layer ranges of the ``pp * stages_per_rank`` stages, or a ValueError that says what to change."""
+def pipeline_stage_split(cfg: ModelConfig, pp: int, stages_per_rank: int = 1, block: float | None = None
+                         ) -> tuple[tuple[int, int], ...]:
+    """The layer ranges of the ``pp * stages_per_rank`` stages, or a ValueError that says what to change; ``block``
+    as in `stage_split.model_stage_costs`."""
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ValueError(f"stages_per_rank must be a positive integer, got {stages_per_rank!r}")
     n_stages = pp * stages_per_rank
@@ -64,7 +66,7 @@ def pipeline_stage_split(cfg: ModelConfig, pp: int, stages_per_rank: int = 1) ->
             f"pp={pp} x stages_per_rank={stages_per_rank} = {n_stages} pipeline stages need at least one layer "
             f"each, and model {cfg.name!r} has {cfg.n_layers}: choose pp x stages_per_rank <= {cfg.n_layers}"
         )
-    return stage_split(cfg, n_stages)
+    return stage_split(cfg, n_stages, block)
 
 
 def param_stages(cfg: ModelConfig, split: Sequence[tuple[int, int]]) -> dict[str, int]:

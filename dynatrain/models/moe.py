@@ -6,6 +6,11 @@ Each block is GQA attention (optional per-head q/k norm) and an MoE feed-forward
 and an optional shared expert every token passes through. Load is balanced by an auxiliary loss
 (``aux_loss()``, to add to the training loss) and/or, without a loss, by an expert bias added to the scores for
 the choice only, moved after each optimizer step from the tokens each expert received (``update_expert_bias``).
+
+Under pipeline stages no single step sees every layer's auxiliary loss, so each layer starts its own loss's backward
+from its output (`_AuxLossInBackward`, torchtitan's and DeepSeek's way for a pipelined MoE); a stage keeps its layers'
+token counts and the sum of their losses over the step's micro-batches, and the step's end reduces them over all
+ranks at once.
 """
 
 from __future__ import annotations
@@ -84,6 +89,21 @@ def expert_loop(x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tens
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
 
 
+class _AuxLossInBackward(torch.autograd.Function):
+    """The identity on a layer's output whose backward also gives the layer's auxiliary loss a gradient of one, as if
+    the loss were added to the objective: the micro-batch's backward through this stage then carries it, whichever
+    stage computes the objective."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -96,6 +116,11 @@ class MoE(nn.Module):
         # Tokens each expert received since the last bias update: the load metric and the bias update's input.
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts), persistent=True)
         self.aux_loss: torch.Tensor | None = None
+        # Set where the layer runs in a pipeline stage: its auxiliary loss then joins the backward through its output.
+        self.aux_in_backward = False
+        # The step's auxiliary losses so far (detached) and how many forwards made them: what a stage reports.
+        self.aux_sum: torch.Tensor | None = None
+        self.aux_forwards = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -118,7 +143,18 @@ class MoE(nn.Module):
             # Switch-Transformer balance: E * sum_e (share of the token choices e got) * (e's mean score).
             share = counts.to(scores.dtype) / flat.numel()
             self.aux_loss = self.load_balance_coeff * self.n_experts * (share * scores.mean(0)).sum()
+            aux = self.aux_loss.detach()
+            self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
+            self.aux_forwards += 1
+            if self.aux_in_backward:
+                out = _AuxLossInBackward.apply(out, self.aux_loss)
         return out.view(bsz, seq, dim)
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        """Start the step's token counts and auxiliary-loss sum again."""
+        self.tokens_per_expert.zero_()
+        self.aux_sum, self.aux_forwards = None, 0
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:
@@ -128,7 +164,7 @@ class MoE(nn.Module):
         counts = self.tokens_per_expert if tokens_per_expert is None else tokens_per_expert
         if self.bias_update_rate > 0:
             self.expert_bias += self.bias_update_rate * torch.sign(counts.mean() - counts)
-        self.tokens_per_expert.zero_()
+        self.reset_stats()
 
 
 class MoEBlock(nn.Module):
@@ -159,10 +195,14 @@ class MoETransformer(nn.Module):
         return precompute_freqs_cis(c.attn_head_dim, c.max_seq_len, c.rope_theta, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
+        # earlier one hands them on.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     def aux_loss(self) -> torch.Tensor | None:
         """The load-balancing losses of the last forward, summed over layers (None when off)."""
@@ -182,11 +222,16 @@ class MoETransformer(nn.Module):
         self.freqs_cis = self._freqs_cis(device=device)
         for layer in self.layers.values():
             layer.moe.expert_bias.zero_()
-            layer.moe.tokens_per_expert.zero_()
+            layer.moe.reset_stats()
 
 
-def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoETransformer:
-    """Data, tensor and expert parallelism for the MoE decoder, in torchtitan's order:
+def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages_per_rank: int = 1
+                    ) -> MoETransformer:
+    """Pipeline, data, tensor and expert parallelism for the MoE decoder, in torchtitan's order:
+
+    - pp: the model keeps the layers of this rank's stages (`models.pipeline.split_model`, layers placed by
+      `moe_specs.moe_stage_split`), everything below runs on the stage's sub-mesh, and each layer's auxiliary loss
+      joins the backward through its output;
 
     - tp: attention heads, embeddings and the output projection split as in the dense model; the router, the
       shared expert and the routed experts stay whole on every TP rank (each TP rank routes the same tokens);
@@ -202,14 +247,27 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
 
     from dynatrain.models import tp_plan
     from dynatrain.models.expert_parallel import ExpertParallel
-    from dynatrain.models.parallelize import apply_fsdp, apply_tp, dense_meshes
+    from dynatrain.models.moe_specs import moe_stage_split
+    from dynatrain.models.parallelize import apply_fsdp, apply_fsdp_stages, apply_tp, dense_meshes
+    from dynatrain.models.pipeline import split_model
 
     pcfg.validate(model.config)  # tp against heads, KV heads and vocabulary; ep against the experts
+    stages = None
+    if pcfg.pp > 1:
+        split = moe_stage_split(model.config, pcfg.pp, stages_per_rank)
+        # From the mesh's coordinates, not the pp group: a probe mesh's groups are not registered with c10d.
+        coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
+        stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
+        for block in model.layers.values():
+            block.moe.aux_in_backward = True
     tp, dp = dense_meshes(mesh, pcfg)
     apply_tp(model, tp, block_plan=tp_plan.MOE_BLOCK_PLAN)
     if pcfg.ep > 1:
         expert_dp = mesh["dp_replicate", "efsdp"] if pcfg.dp_replicate > 1 else mesh["efsdp"]
         kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+        if stages is not None:
+            # As the stage's blocks (`apply_fsdp_stages`): every micro-batch's forward runs before its backward.
+            kwargs["reshard_after_forward"] = False
         gloo = mesh.device_type == "cpu"  # CPU meshes run on gloo
         for block in model.layers.values():
             parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
@@ -219,4 +277,7 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None) -> MoE
                 # gloo has no pre-scaled sum: sum, then divide. (Not with one efsdp rank: torch then divides while
                 # it copies the gradient and would divide a second time after a forced sum.)
                 block.moe.experts.set_force_sum_reduction_for_comms(True)
+    if stages is not None:
+        apply_fsdp_stages(stages, dp, mp_policy)
+        return model
     return apply_fsdp(model, dp, mp_policy=mp_policy)

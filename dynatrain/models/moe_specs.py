@@ -10,6 +10,10 @@ tp)`` with ep):
   over dp_replicate: exactly the dense zoo's rule (`vps.rules.rule_sharding`);
 - routed experts (``[E, ...]``) with ep > 1: ``Shard(0)`` over ep, then FSDP2 over efsdp on the ep-local stack,
   which DTensor records as ``_StridedShard(0, ep)`` on efsdp; with ep == 1 they are dense states.
+
+With pipeline stages (``pp > 1``) the model is split as the dense zoo's (`moe_stage_split` balances the blocks by
+what a token computes in them), and each stage's states keep the placements above on their stage's sub-mesh, held at
+that stage's pp coordinate only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from dynatrain.models.dense_specs import param_stages, pipeline_stage_split
 from dynatrain.models.moe_configs import MoEConfig
 from dynatrain.models.tp_plan import moe_tp_shard_dim
 from dynatrain.vps.layout import STATE_KINDS, Layout, StateSpec
@@ -93,16 +98,38 @@ def moe_states(cfg: MoEConfig, kind: str = "fp32-adam") -> tuple[StateSpec, ...]
     return tuple(out)
 
 
+def moe_block_flops(cfg: MoEConfig) -> float:
+    """Multiply-adds of one block per token: attention's projections, the router, the ``top_k`` routed experts a
+    token visits and the shared expert (a pipeline stage's cost is what its tokens compute, not what it stores)."""
+    hd, d = cfg.attn_head_dim, cfg.dim
+    attention = 2 * d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
+    return attention + d * cfg.n_experts + 3 * d * (cfg.top_k * cfg.moe_ffn_dim + cfg.shared_ffn_dim)
+
+
+def moe_stage_split(cfg: MoEConfig, pp: int, stages_per_rank: int = 1) -> tuple[tuple[int, int], ...]:
+    """The layer ranges of the ``pp * stages_per_rank`` stages of a mixture-of-experts model, or a ValueError that
+    says what to change; the live split (`models.moe.parallelize_moe`) and the analytic layout both use it."""
+    return pipeline_stage_split(cfg, pp, stages_per_rank, block=moe_block_flops(cfg))
+
+
 def moe_layout(cfg: MoEConfig, pcfg: ParallelConfig, kind: str = "fp32-adam",
-               rank_map: Sequence[int | None] | None = None) -> Layout:
-    """The layout `parallelize_moe` gives ``cfg`` on ``pcfg``; ``rank_map`` defaults to position = process."""
-    if pcfg.pp > 1:
-        # `parallelize_moe` does not split the model into stages; placements without a stage would be wrong.
-        raise ValueError(f"pipeline parallelism is not supported for mixture-of-experts models yet: use pp=1 "
-                         f"(model {cfg.name!r}, layout {pcfg.short()})")
+               rank_map: Sequence[int | None] | None = None, stages_per_rank: int = 1) -> Layout:
+    """The layout `parallelize_moe` gives ``cfg`` on ``pcfg``; ``rank_map`` defaults to position = process. With
+    pp, ``pp * stages_per_rank`` stages, stage ``j`` on pp coordinate ``j % pp``."""
     pcfg.validate(cfg)
     per_param = _param_shardings(cfg, pcfg)
     states = moe_states(cfg, kind)
     per_state = len(STATE_KINDS[kind])
-    shardings = [sh for _, _, sh in per_param for _ in range(per_state)]
+    if pcfg.pp > 1:
+        stage = param_stages(cfg, moe_stage_split(cfg, pcfg.pp, stages_per_rank))
+        held: dict[tuple[Sharding, int], Sharding] = {}
+        placed = []
+        for name, _, sh in per_param:
+            at = (sh, stage[name] % pcfg.pp)
+            if at not in held:
+                held[at] = sh.held_along(pcfg.pp_dim, (at[1],))
+            placed.append(held[at])
+    else:
+        placed = [sh for _, _, sh in per_param]
+    shardings = [sh for sh in placed for _ in range(per_state)]
     return Layout.from_shardings(states, shardings, pcfg, rank_map)

@@ -16,7 +16,7 @@ from dynatrain.models import builders, cost_terms
 from dynatrain.models.configs import MODEL_CONFIGS, ModelConfig
 from dynatrain.models.dense_specs import dense_layout, dense_states, dense_tp_dim, pipeline_stage_split
 from dynatrain.models.moe_configs import MOE_CONFIGS, MoEConfig
-from dynatrain.models.moe_specs import moe_layout, moe_states, moe_tp_dim
+from dynatrain.models.moe_specs import moe_layout, moe_stage_split, moe_states, moe_tp_dim
 
 ZooConfig = ModelConfig | MoEConfig  # the built-in kinds' configs, for annotations
 
@@ -122,10 +122,6 @@ def get_zoo_config(model: str | ZooConfig) -> ZooConfig:
     raise ValueError(f"unknown model {model!r}; choose {offers}")
 
 
-def _moe_layout(cfg, pcfg, kind="fp32-adam", rank_map=None, stages_per_rank=1):
-    return moe_layout(cfg, pcfg, kind, rank_map)  # stages_per_rank: only pp > 1 has stages, which moe_layout refuses
-
-
 register(ModelSpec(
     name="dense", label="dense", offer="a dense one", config_type=ModelConfig, configs=MODEL_CONFIGS,
     build=builders.build_dense, parallelize_fn=builders.parallelize_dense_for,
@@ -138,7 +134,7 @@ register(ModelSpec(
 register(ModelSpec(
     name="moe", label="mixture-of-experts", offer="a mixture of experts", config_type=MoEConfig, configs=MOE_CONFIGS,
     build=builders.build_moe, parallelize_fn=builders.parallelize_moe_for,
-    states=moe_states, layout=_moe_layout, tp_dim=lambda name, shape: moe_tp_dim(name), stage_split=None,
+    states=moe_states, layout=moe_layout, tp_dim=lambda name, shape: moe_tp_dim(name), stage_split=moe_stage_split,
     placed_by_rules=False, routed_experts=True,
     attention_width=cost_terms.moe_attention_width,
     op_recompute_fraction=cost_terms.moe_op_recompute_fraction,

@@ -85,18 +85,21 @@ def balanced_split(n_layers: int, n_stages: int, first_cost: float = 0.0, last_c
     return tuple(out)
 
 
-def model_stage_costs(model) -> tuple[float, float]:
+def model_stage_costs(model, block: float | None = None) -> tuple[float, float]:
     """(first, last) extra cost of a Llama-family config in units of one block's matmul FLOPs: the embedding is a
-    lookup (nothing), the output projection is ``dim * vocab`` beside a block's parameters."""
+    lookup (nothing), the output projection is ``dim * vocab`` beside a block's parameters. ``block``: the
+    multiply-adds of one block per token where they are not a dense block's (a mixture of experts counts the
+    experts a token visits)."""
     dim, vocab = model.dim, model.vocab_size
-    block = 4 * dim * dim + 3 * dim * getattr(model, "ffn_dim", 4 * dim)
+    if block is None:
+        block = 4 * dim * dim + 3 * dim * getattr(model, "ffn_dim", 4 * dim)
     return 0.0, dim * vocab / block
 
 
-def stage_split(model, n_stages: int) -> tuple[tuple[int, int], ...]:
+def stage_split(model, n_stages: int, block: float | None = None) -> tuple[tuple[int, int], ...]:
     """The layer ranges of ``n_stages`` stages for a zoo config (or any object with ``n_layers``, ``dim`` and
-    ``vocab_size``)."""
-    first, last = model_stage_costs(model)
+    ``vocab_size``); ``block`` as in `model_stage_costs`."""
+    first, last = model_stage_costs(model, block)
     return balanced_split(model.n_layers, n_stages, first, last)
 
 

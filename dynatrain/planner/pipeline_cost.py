@@ -84,8 +84,8 @@ def tp_all_reduces(load: StageLoad) -> int:
 
 @dataclass(frozen=True)
 class StageTerms:
-    """One pp rank's seconds over a step: what keeps it busy in its pipeline slots (compute, TP all-reduces, sends
-    to its neighbours) and its data-parallel traffic, ``hidden`` of which overlaps compute."""
+    """One pp rank's seconds over a step: what keeps it busy in its pipeline slots (compute, TP all-reduces, expert
+    all-to-alls, sends to its neighbours) and its data-parallel traffic, ``hidden`` of which overlaps compute."""
 
     compute: float
     tp: float
@@ -93,10 +93,11 @@ class StageTerms:
     fsdp: float
     hsdp: float
     hidden: float
+    ep: float = 0.0
 
     @property
     def busy(self) -> float:
-        return self.compute + self.tp + self.p2p
+        return self.compute + self.tp + self.ep + self.p2p
 
     @property
     def exposed(self) -> float:

@@ -119,7 +119,8 @@ def _pipeline_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
     """The busiest pp rank's memory. Each stage's FSDP2 blocks keep their parameters gathered from the first forward
     to the end of the step (`apply_fsdp_stages`: the schedule runs several forwards before a backward), and torch's
     pipeline schedule accumulates their gradients unsharded, in the reduce dtype, until it reduce-scatters them once
-    after the last micro-batch."""
+    after the last micro-batch. A stage's routed experts are sharded over its dp_shard ranks and gathered over efsdp
+    only: each rank holds its ep group's share of them gathered."""
     model, sizes = work.model, model_sizes(work.model, cfg.tp)
     _, final_norm = spec_for(model).layer_bytes(model, work, cfg.tp)
     ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
@@ -129,12 +130,14 @@ def _pipeline_memory(cfg: ParallelConfig, work: Workload) -> MemoryEstimate:
     for load in pipeline_loads(model, cfg.pp):
         # Checkpointing spreads over the stage's blocks; one block recomputes at a time, whatever is in flight.
         kept, recompute = _blocks_bytes(model, work, cfg.tp, load.layers)
-        params = stage_params(load, sizes.block, sizes.embedding, sizes.root - sizes.embedding)
+        dense = stage_params(load, sizes.block, sizes.embedding, sizes.root - sizes.embedding)
+        experts = load.layers * sizes.expert_block
+        params = dense + experts / cfg.ep  # what the stage's rank holds gathered
         gathered = params * ce if cfg.dp_shard > 1 or work.compute_dtype != work.weight_dtype else 0.0
         gathered += params * re if cfg.dp_size > 1 else 0.0
         out.append(MemoryEstimate(
-            states=params / cfg.dp_shard * work.state_bytes,
-            grads=params / cfg.dp_shard * work.grad_bytes,
+            states=(dense + experts) / cfg.dp_shard * work.state_bytes,
+            grads=(dense + experts) / cfg.dp_shard * work.grad_bytes,
             gathered=gathered,
             activations=tokens * (in_flight(cfg.pp, load.coordinate, micro)
                                   * stage_activation_bytes(load, kept / max(load.layers, 1), final_norm, model.dim * ce)

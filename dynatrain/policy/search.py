@@ -128,22 +128,25 @@ def _divisors(n: int) -> list[int]:
 def enumerate_configs(count: int, model: ZooConfig | None = None, pipeline: bool = True) -> list[ParallelConfig]:
     """Every (dp_replicate, dp_shard, tp) whose product is ``count``; for a ``model`` with routed experts also
     every ep that divides both dp_shard and the model's experts; for a ``model`` that splits into pipeline stages
-    (dense) also every pp > 1 that divides ``count`` and has a layer per stage, with every (dp_replicate, dp_shard,
-    tp) of ``count / pp``."""
+    also every pp > 1 that divides ``count`` and has a layer per stage, with every (dp_replicate, dp_shard, tp) of
+    ``count / pp`` (and every ep of it, as above)."""
     spec = None if model is None else spec_for(model)
     n_experts = model.n_experts if spec is not None and spec.routed_experts else None
-    out = []
-    for tp in _divisors(count):
-        for shard in _divisors(count // tp):
-            eps = [e for e in _divisors(shard) if n_experts and not n_experts % e] or [1]
-            out += [ParallelConfig(count // (tp * shard), shard, tp, ep) for ep in eps]
+
+    def stage_layouts(ranks: int, pp: int) -> list[ParallelConfig]:
+        out = []
+        for tp in _divisors(ranks):
+            for shard in _divisors(ranks // tp):
+                eps = [e for e in _divisors(shard) if n_experts and not n_experts % e] or [1]
+                out += [ParallelConfig(ranks // (tp * shard), shard, tp, ep, pp) for ep in eps]
+        return out
+
+    out = stage_layouts(count, 1)
     if spec is not None and spec.pipeline and pipeline:
         for pp in _divisors(count)[1:]:
             if pp > model.n_layers:
                 break
-            stage = count // pp
-            out += [ParallelConfig(stage // (tp * shard), shard, tp, pp=pp)
-                    for tp in _divisors(stage) for shard in _divisors(stage // tp)]
+            out += stage_layouts(count // pp, pp)
     return out
 
 

@@ -129,9 +129,10 @@ def cp_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> float:
 def _pipeline_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: CostModel,
                    micro_steps: int) -> StepTime:
     """A 1F1B step (`pipeline_cost.pipeline_step`). Per micro-batch a pp rank computes its blocks, runs their TP
-    all-reduces and exchanges activations with its neighbours; FSDP gathers each stage once per step (those
-    all-gathers can hide behind compute) and reduce-scatters once after the last micro-batch, exposed like the HSDP
-    all-reduce."""
+    all-reduces (and, with routed experts, its layers' token all-to-alls over ep) and exchanges activations with its
+    neighbours; FSDP gathers each stage once per step (those all-gathers can hide behind compute) and
+    reduce-scatters once after the last micro-batch, exposed like the HSDP all-reduce. A stage's routed experts are
+    gathered and reduced over efsdp, their ep group's share each."""
     model = work.model
     sizes, whole = model_sizes(model, cfg.tp), model_sizes(model, 1)
     ce, re = DTYPE_ITEMSIZE[work.compute_dtype], DTYPE_ITEMSIZE[work.reduce_dtype]
@@ -144,27 +145,39 @@ def _pipeline_step(cfg: ParallelConfig, devices: Devices, work: Workload, cost: 
     link = (devices.network.intra_bytes_per_s if boundary_inside_node(cfg.world_size, devices.per_node)
             else inter_share(devices))
     # Per token: a block's matmuls and attention scores; the final norm and the output projection.
-    block_flops = 6 * whole.block + 12 * model.dim * work.seq_len
+    block_flops = 6 * whole.block + 12 * spec_for(model).attention_width(model) * work.seq_len
     again = recompute_fraction(work) / 3  # a forward is a third of forward + backward
     head_flops = 6 * (whole.root - whole.embedding)
     rate = cfg.stage_size * devices.flops * devices.efficiency
+    # Routed experts are not split over TP: every TP rank of a stage computes its tokens' experts in full.
+    expert_flops = 6 * whole.expert_active / model.n_layers * cfg.tp
+    a2a_per_layer = _all_to_all_step_seconds(cfg, devices, work) / model.n_layers
+    _, efsdp_group = expert_groups(cfg, devices.per_node)
     terms, recomputes = [], []
     for load in pipeline_loads(model, cfg.pp):
         flops = stage_params(load, block_flops * (1 + again), 0, head_flops)  # the embedding is a lookup: no matmul
-        compute = work.tokens_per_step * flops / rate
-        recomputes.append(work.tokens_per_step * stage_params(load, block_flops * again, 0, 0) / rate)
+        compute = work.tokens_per_step * (flops + load.layers * expert_flops * (1 + again)) / rate
+        recomputes.append(work.tokens_per_step * stage_params(load, (block_flops + expert_flops) * again, 0, 0) / rate)
         tp = micro_steps * (tp_all_reduces(load) * all_reduce + (logits if load.last else 0.0)) if cfg.tp > 1 else 0.0
         params = stage_params(load, sizes.block, sizes.embedding, sizes.root - sizes.embedding)
         gather = collective_seconds(params * ce, shard_group, devices, all_reduce=False) if cfg.dp_shard > 1 else 0.0
         fsdp = (gather + collective_seconds(params * re, shard_group, devices, all_reduce=False)
                 + 2 * (load.layers + 1) * latency) if cfg.dp_shard > 1 else 0.0
-        hsdp = (collective_seconds(params / cfg.dp_shard * re, replicate_group, devices, all_reduce=True)
+        experts = load.layers * sizes.expert_block / cfg.ep  # the stage's ep-local experts
+        if experts and cfg.efsdp > 1:
+            expert_gather = collective_seconds(experts * ce, efsdp_group, devices, all_reduce=False)
+            gather += expert_gather
+            fsdp += (expert_gather + collective_seconds(experts * re, efsdp_group, devices, all_reduce=False)
+                     + 2 * load.layers * latency)
+        hsdp = (collective_seconds((params / cfg.dp_shard + experts / cfg.efsdp) * re, replicate_group, devices,
+                                   all_reduce=True)
                 + (load.layers + 1) * latency) if cfg.dp_replicate > 1 else 0.0
-        terms.append(StageTerms(compute, tp, p2p_seconds(activation, micro_steps, link, latency), fsdp, hsdp,
-                                min(gather, cost.overlap * compute)))
+        p2p = p2p_seconds(activation, micro_steps, link, latency)
+        terms.append(StageTerms(compute, tp, p2p, fsdp, hsdp, min(gather, cost.overlap * compute),
+                                ep=micro_steps * load.layers * a2a_per_layer))
     slowest, exposed, bubble = pipeline_step(terms, micro_steps)
     return StepTime(micro_steps, slowest.compute, exposed.fsdp, exposed.hsdp, slowest.tp, exposed.hidden,
-                    bubble=bubble, p2p=slowest.p2p, recompute=recomputes[terms.index(slowest)])
+                    ep=slowest.ep, bubble=bubble, p2p=slowest.p2p, recompute=recomputes[terms.index(slowest)])
 
 
 def _expert_fsdp_seconds(cfg: ParallelConfig, sizes: ModelSizes, devices: Devices, work: Workload) -> float:

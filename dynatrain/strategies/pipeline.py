@@ -64,12 +64,28 @@ def check_schedule(name: str, stages_per_rank: int) -> None:
                          "several stages per rank (stages_per_rank >= 2), GPipe and 1F1B one")
 
 
+class _Stage(PipelineStage):
+    """torch's stage, telling the module when the extra forward and backward that infer the shapes between stages
+    are over (torch clears their gradients there; a module's own counters, such as a router's token counts, are the
+    module's to clear)."""
+
+    def __init__(self, *args, after_inference: Callable[[], None] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._after_inference = after_inference
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        if self._after_inference is not None:
+            self._after_inference()
+
+
 class PipelineRunner:
     """The schedule of one layout's stages on this rank, for a given number of micro-batches per step."""
 
     def __init__(self, stages: PipelineStages, mesh: DeviceMesh, schedule: str,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                 context: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                 context: Callable[[], AbstractContextManager] = nullcontext,
+                 after_inference: Callable[[], None] | None = None) -> None:
         self.stages = stages
         self.group = mesh.get_group("pp")
         self.pp = mesh["pp"].size()
@@ -79,13 +95,15 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.context = context  # what the loss's forward and backward run under (loss parallelism, say)
         self.device = device
+        self.after_inference = after_inference  # the module's `on_pipeline_shapes_inferred`, where it has one
         self._train: dict[int, object] = {}
         self._eval = None
         self.pending: list = []  # this step's micro-batches so far
 
     def _stages(self) -> list[PipelineStage]:
         s = self.stages
-        return [PipelineStage(view, stage_index=i, num_stages=s.n_stages, device=self.device, group=self.group)
+        return [_Stage(view, stage_index=i, num_stages=s.n_stages, device=self.device, group=self.group,
+                       after_inference=self.after_inference)
                 for i, view in zip(s.stage_ids, s.views)]
 
     def _schedule(self, n_microbatches: int):

@@ -53,7 +53,8 @@ class StepHooks:
             raise ValueError(f"layout {pcfg.short()} has pp={pcfg.pp}, but the module's parallelisation split no "
                              "model into stages: see docs/pipeline.md")
         self.pipeline = PipelineRunner(stages, self.device_mesh, self.pipeline_schedule, module.pipeline_loss,
-                                       self.root_device, getattr(module, "loss_context", nullcontext))
+                                       self.root_device, getattr(module, "loss_context", nullcontext),
+                                       getattr(module, "on_pipeline_shapes_inferred", None))
 
     def training_step(self, *args, **kwargs):
         runner = self.pipeline
