@@ -6,7 +6,7 @@ of that moment. The strategy takes the loader over as `Strategy.process_dataload
 becomes an `ElasticSampler` with the same order, and the loader is re-made with Lightning's own re-instantiation
 helper. The global batch is the data-parallel size x the loader's batch size x `accumulate_grad_batches` at set-up;
 every switch keeps it through accumulation, re-splits every loader for the new data-parallel rank (the same for
-every rank of a tp or pp group), and moves Lightning's epoch length with it. An `IterableDataset` that implements
+every rank of a tp, pp or cp group: cp ranks read whole samples, and the model splits their sequences), and moves Lightning's epoch length with it. An `IterableDataset` that implements
 `dynatrain.data.iterable.DataParallelIterable` is re-split by its own `set_data_parallel`. A loader whose split
 cannot be re-derived makes every switch that changes the data-parallel size or rank fail at request time.
 """
