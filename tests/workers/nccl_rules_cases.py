@@ -1,5 +1,6 @@
 """The cases of tests/test_nccl_rules.py on two gloo processes under the NCCL rules (installed by
-tests/nccl_site/sitecustomize.py). Prints, per rank, one JSON line: each case and whether the rules refused it."""
+tests/nccl_site/sitecustomize.py). Writes, per rank, ``<out>/rank-<r>.json``: each case and whether the rules refused
+it."""
 
 import json
 import os
@@ -41,10 +42,10 @@ def _p2p(group, rank: int, dtypes=(torch.float32, torch.int64)):
         work.wait()
 
 
-def run(rank: int, store_path: str) -> None:
+def run(rank: int, out: str) -> None:
     import dynatrain
 
-    store = dist.FileStore(store_path, 2)
+    store = dist.FileStore(os.path.join(out, "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     dist.barrier()
     # The strategy's own control group, as set-up makes it on every world.
@@ -63,7 +64,8 @@ def run(rank: int, store_path: str) -> None:
         "p2p_first_on_fresh_group": _refused(lambda: _p2p(fresh, rank)),
         "p2p_after_a_collective_out_of_order": _refused(lambda: _p2p(formed, rank)),
     }
-    print(json.dumps({"rank": rank, **results}), flush=True)
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump({"rank": rank, **results}, f)
     dist.barrier()
     dist.destroy_process_group()
 
