@@ -124,3 +124,31 @@ def test_a_stage_reports_its_own_layers_counts_and_auxiliary_loss(one_process_gr
     moe_lm.apply_load(model, counts * 3)
     assert moe_lm.local_counts(model).sum() == 0 and moe_lm.stage_aux(model) is None
     assert model.layers["2"].moe.expert_bias.abs().sum() > 0  # the job's counts moved the held layers' bias
+
+
+@pytest.mark.parametrize("discard", [True, False])
+def test_the_routers_count_the_steps_micro_batches_only_not_the_shape_inference(one_process_group, discard):
+    # torch runs one extra forward on the first micro-batch to learn the shapes between stages; the module's
+    # `on_pipeline_shapes_inferred` forgets what the routers counted there (without it they count it too).
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dynatrain.models.moe import MoETransformer
+    from dynatrain.models.pipeline import split_model
+    from dynatrain.strategies.pipeline import PipelineRunner
+
+    with torch.device("meta"):
+        model = MoETransformer(DEBUG)
+    stages = split_model(model, ((0, DEBUG.n_layers),), 1, 0)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    mesh = DeviceMesh("cpu", torch.arange(1), mesh_dim_names=("pp",))
+    loss = lambda out, target: torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())  # noqa: E731
+    runner = PipelineRunner(stages, mesh, "GPipe", loss, torch.device("cpu"),
+                            after_inference=(lambda: moe_lm.reset_counts(model)) if discard else None)
+    tokens = torch.randint(0, DEBUG.vocab_size, (4, 16))
+    runner.train_step(tokens, tokens, 2)
+    per_step = 4 * 16 * DEBUG.top_k  # every token's top-k choices, once per layer
+    first_micro_batch = 2 * 16 * DEBUG.top_k
+    expected = per_step if discard else per_step + first_micro_batch
+    assert moe_lm.local_counts(model).sum(-1).tolist() == [expected] * DEBUG.n_layers
+    assert all(layer.moe.aux_forwards == (2 if discard else 3) for layer in model.layers.values())
