@@ -478,7 +478,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
             self.parallelize(self.model)
         check_context_parallel(self.model, self.parallel_config)
         seq_len = getattr(getattr(trainer, "datamodule", None), "seq_len", None)
-        if self.parallel_config.cp > 1 and isinstance(seq_len, int):
+        if self.parallel_config is not None and self.parallel_config.cp > 1 and isinstance(seq_len, int):
             self.parallel_config.sequence_chunk(seq_len)  # refused here rather than in the first forward
         joining = self._joining
         if joining:
