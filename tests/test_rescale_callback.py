@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from dynatrain.callbacks.rescale import ElasticCallback
-from dynatrain.callbacks.rescale_plan import NEEDS_ELASTIC, accepts_leave, plan_target
+from dynatrain.callbacks.rescale_plan import NEEDS_ELASTIC, Unpriced, accepts_leave, plan_target
 from dynatrain.callbacks.switch_log import JSONL_NAME, SwitchLog, read_switches
 from dynatrain.signals.agreement import MergedRequest
 from dynatrain.signals.request import ScaleRequest
@@ -78,6 +78,17 @@ def test_a_device_count_change_needs_the_elastic_device_manager():
     assert (shrink.action, shrink.target.short()) == ("switch", "dp_shard=1")
     with pytest.raises(ValueError, match="no process would be left"):
         plan_target(_merged(leave=(0, 1)), current, 2, planner=_planner("dp_shard=2"), can_change_world=True)
+
+
+def test_a_device_count_the_policy_cannot_price_takes_the_survivors_fallback():
+    # A model of the user's own has no zoo config for the policy: kept on the same count, the same tp where it
+    # divides the new one, else pure FSDP.
+    current = ParallelConfig.parse("dp_replicate=2,dp_shard=2,tp=2")
+    for count, expected in ((8, "dp_replicate=2,dp_shard=2,tp=2"), (6, "dp_shard=3,tp=2"), (3, "dp_shard=3")):
+        plan = plan_target(_merged(devices=count), current, 8,
+                           planner=lambda n, leave: Unpriced(current, n, "no model config"), can_change_world=True)
+        assert (plan.target.short() if plan.target else current.short()) == expected
+        assert plan.action == ("keep" if count == 8 else "switch") and "not priced (no model config)" in plan.reason
 
 
 def test_accepts_leave_reads_the_signature():

@@ -33,7 +33,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from dynatrain.callbacks.rescale_options import (
     TOKEN_ENV, read_or_create_token, signal_number, source_options, watch_options,
 )
-from dynatrain.callbacks.rescale_plan import Decision, accepts_keyword, accepts_leave, plan_target, workload_for
+from dynatrain.callbacks.rescale_plan import (
+    Decision, Unpriced, accepts_keyword, accepts_leave, plan_target, workload_for,
+)
 from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
 from dynatrain.policy import GiB, Devices, LayoutPolicy, choose_layout
 from dynatrain.planner.network import NetworkModel
@@ -362,7 +364,13 @@ class ElasticCallback(pl.Callback):
         budget = getattr(strategy, "switch_budget_bytes", None)
         if budget is not None and budget != policy.budget_bytes:
             policy = LayoutPolicy(policy.horizon_steps, policy.cost, budget, policy.fixed_seconds, policy.max_priced)
-        return policy.decide(self.devices_for(count), workload_for(trainer), strategy.parallel_config,
+        try:
+            workload = workload_for(trainer)
+        except ValueError as err:
+            # A device count is still a request the job can serve (a preemption above all): take the strategy's
+            # own fallback layout rather than refuse it for want of a price.
+            return Unpriced(strategy.parallel_config, count, str(err))
+        return policy.decide(self.devices_for(count), workload, strategy.parallel_config,
                              rank_map=positions, leave=leave)
 
     def _record(self, trainer: pl.Trainer, decision: Decision) -> None:

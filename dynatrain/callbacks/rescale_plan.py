@@ -79,6 +79,31 @@ def plan_target(merged: MergedRequest, current: ParallelConfig, world: int, *,
     return Plan("switch", target, reason)
 
 
+@dataclass(frozen=True)
+class Unpriced:
+    """The layout for a device count when the policy cannot price the job (a model of the user's own, data without
+    a sequence length): the current layout on the same count, else the fallback of survivors of a lost process
+    (``ParallelConfig.survivor_layouts``: the same tp degree where it divides the count, else pure FSDP)."""
+
+    current: ParallelConfig
+    count: int
+    why: str
+
+    @property
+    def target(self) -> ParallelConfig:
+        if self.count == self.current.world_size:
+            return self.current
+        return self.current.survivor_layouts(self.count)[0]
+
+    @property
+    def changes(self) -> bool:
+        return self.target != self.current
+
+    @property
+    def reason(self) -> str:
+        return f"not priced ({self.why}): {self.target.short()}"
+
+
 def workload_for(trainer: pl.Trainer) -> Workload:
     """The planner's view of the job: the model, and sequence length and batch sizes from the data module."""
     strategy = trainer.strategy

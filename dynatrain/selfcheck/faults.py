@@ -27,6 +27,9 @@ import lightning.pytorch as pl
 
 from dynatrain.selfcheck import oracle
 
+# Micro-batches in a scenario's global batch: every world a scenario runs on (4, 3, 2, 1 processes) divides it.
+GLOBAL_MICRO_BATCHES = 12
+
 # Per scenario: the processes the job starts with, its layout, the joiners, the ranks that are killed, and the
 # optimizer step whose end is the committed state (the fault comes during the next one).
 SCENARIOS: dict[str, dict] = {
@@ -186,12 +189,15 @@ def run_scenarios(args) -> int:
         spec = SCENARIOS[name]
         with tempfile.TemporaryDirectory(prefix=f"dynatrain-inject-{name}-") as tmp:
             argv = ["-m", "dynatrain.selfcheck.worker", "--model", args.model, "--layouts", spec["layout"],
-                    "--steps", str(spec["steps"]), "--global-batch", str(12 * args.micro_batch),
+                    "--steps", str(spec["steps"]), "--global-batch", str(GLOBAL_MICRO_BATCHES * args.micro_batch),
                     "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
                     "--budget-mb", str(args.budget_mb), "--workdir", tmp, "--inject", name, "--elastic",
                     "--elastic-timeout", "20", "--join-timeout", "10"]
             if args.n_layers:
                 argv += ["--n-layers", str(args.n_layers)]
+            for flag in ("module", "datamodule"):  # a module of the user's own, as the switching selfcheck takes
+                if getattr(args, flag, None):
+                    argv += [f"--{flag}", getattr(args, flag)]
             started = time.monotonic()
             try:
                 verdict = _run_one(name, spec, argv, Path(tmp), args.timeout)
@@ -199,6 +205,7 @@ def run_scenarios(args) -> int:
                 verdict = {"scenario": name, "recovered": False, "steps_lost": None,
                            "state_equal_to_committed": False, "error": str(e)[-2000:]}
             verdict["seconds"] = round(time.monotonic() - started, 1)
+        verdict["model"] = args.module or args.model
         verdict["ok"] = bool(verdict["recovered"] and verdict["steps_lost"] is not None
                              and verdict["steps_lost"] <= spec["max_steps_lost"]
                              and verdict["state_equal_to_committed"])

@@ -332,6 +332,10 @@ def main() -> None:
     # Its global batch is its loader's batch size x the first data-parallel size x this accumulation: a multiple of
     # every layout's data-parallel size, so that each keeps it.
     sizes = [ParallelConfig.parse(layout).dp_size for layout in layouts]
+    if args.inject:
+        # A fault scenario's worlds (4, then 3 survivors; 2, then 1 restarted) come from no --layouts: keep the
+        # global batch of 12 micro-batches its zoo data has, which every one of them divides.
+        sizes.append(faults.GLOBAL_MICRO_BATCHES)
     accumulation = math.lcm(*sizes) // sizes[0] if own_data else 1
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
                          accumulate_grad_batches=accumulation,

@@ -5,12 +5,15 @@ With --model other than "configure", a module without configure_model() (`AutoLM
 parallelises by default: a Hugging Face Llama (optionally with tied embeddings), Qwen2 or GPT-2, or the test suite's
 own TinyLM (tests/workers/user_model.py).
 
+With --trace an ElasticCallback drives its switches.
+
 Records per optimizer step the global mean loss and the global sample indices the step trained on (each
 data-parallel rank's once; the ranks of a tp group must agree). With --elastic it is a member or a joiner of an
 elastic job.
 """
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -28,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 import dynatrain
 from dynatrain.data.iterable import IterableTokenWindows
+from dynatrain.callbacks.rescale import ElasticCallback
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
 from dynatrain.launcher import finish_rank
 from dynatrain.models.auto_parallel import tied_groups
@@ -266,6 +270,7 @@ def main() -> None:
                                                               "tiny"],
                     help="configure: the Llama of HFLM's configure_model(); else AutoLM around that model")
     ap.add_argument("--heads", type=int, default=4, help="attention heads of the Llama or TinyLM")
+    ap.add_argument("--trace", default=None, help="JSON [[step, devices or layout], ...] for an ElasticCallback")
     args = ap.parse_args()
     entries = [(int(s.split(":", 1)[0]), s.split(":", 1)[1]) for s in args.switches.split(";") if s]
     joining = os.environ.get(JOIN_ENV) == "1"
@@ -276,6 +281,10 @@ def main() -> None:
         elastic={"timeout": 60.0, "join_timeout": 120.0} if args.elastic else None)
     script = Script(entries)
     callbacks = [script]
+    elastic = None
+    if args.trace:
+        elastic = ElasticCallback(trace=json.loads(args.trace), log_dir=os.path.dirname(os.path.abspath(args.out)))
+        callbacks.append(elastic)
     if args.save:
         every, where = args.save.split(":", 1)
         callbacks.append(ModelCheckpoint(dirpath=where, every_n_train_steps=int(every), save_top_k=-1))
@@ -313,6 +322,7 @@ def main() -> None:
         "accumulation": trainer.accumulate_grad_batches,
         "val_losses": module.val_losses,
         "val_samples": module.val_samples_seen,
+        "decisions": [] if elastic is None else [d.as_dict() for d in elastic.decisions],
     })
 
 
