@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dynatrain
+from dynatrain.switch.in_world import planner_rank_map
 from dynatrain.launcher import finish_rank
 import dynatrain.engine as engine_mod
 from dynatrain.data import LlamaDataModule
@@ -144,7 +145,8 @@ def naive_switch(strategy, module, target: str, budget_mb: float) -> tuple[dict,
     target_cfg = ParallelConfig.parse(target)
     specs = state_specs(model, opt)
     old_layout = Layout.from_config(specs, strategy.parallel_config, rank_map=strategy.positions)
-    plan = plan_switch(old_layout, target_cfg, rank_map=strategy.rank_map, budget_bytes=int(budget_mb * MiB))
+    plan = plan_switch(old_layout, target_cfg, rank_map=planner_rank_map(strategy.rank_map),
+                       budget_bytes=int(budget_mb * MiB))
     if not mesh_safe(plan.new.rank_map, target_cfg):
         plan = plan_switch(old_layout, target_cfg, rank_map="identity", budget_bytes=int(budget_mb * MiB))
     new = plan.new  # the same target positions the engine will use, so the results can be compared

@@ -23,6 +23,11 @@ import torch.distributed as dist
 BACKEND = "gloo"
 
 
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    # torch 2.13 deprecates all_gather_into_tensor for all_gather_single, which older releases lack.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=group)
+
+
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -61,7 +66,7 @@ def all_gather_ints(values: Sequence[int], group) -> list[list[int]]:
     if not distributed():
         return [mine.tolist()]
     out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    _all_gather(out, mine, group)
     return out.view(-1, mine.numel()).tolist()
 
 
@@ -70,7 +75,7 @@ def all_gather_bytes(data: torch.Tensor, group) -> torch.Tensor:
     if not distributed():
         return data.clone()
     out = torch.empty(dist.get_world_size(group) * data.numel(), dtype=torch.uint8)
-    dist.all_gather_into_tensor(out, data, group=group)
+    _all_gather(out, data, group)
     return out
 
 
