@@ -532,7 +532,7 @@ def build(layout: str) -> nn.Module:
 def full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor().detach() if isinstance(t, DTensor) else t
 
 
 def index_problems(tensors: dict[str, torch.Tensor], where: str) -> tuple[list[str], list[str]]:

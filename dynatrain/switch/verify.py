@@ -97,6 +97,7 @@ def _same(a, b) -> bool:
                        torch.as_tensor(list(b) if isinstance(b, range) else b))
 
 
+@torch.no_grad()
 def before(held, plan, me: int) -> Before:
     """This process's side before the switch: the pieces it sends, hashed by its live tensors' own placements."""
     kept = held.kept
@@ -137,6 +138,7 @@ def reduce(ctx: SwitchContext, side: Before) -> Before:
     return Before(side.names, total[:n], StateSums.from_vector(side.scalars.names, total[n:]), side.copies)
 
 
+@torch.no_grad()
 def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: Sequence[dict]) -> bool:
     """Raise `SwitchVerificationError` naming every state that differs; ``reduced``: ``old`` holds the totals over
     the old world already; ``schedulers``: the LR schedulers' states the process trains on with."""
