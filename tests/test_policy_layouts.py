@@ -291,7 +291,7 @@ def test_moe_candidates_take_every_ep_that_divides_dp_shard_and_the_experts():
     assert not any(c.ep == 16 for c in cands)  # divides dp_shard=16 or 32, not the 8 experts
     dense = enumerate_configs(32, MODEL_CONFIGS["1b"])
     assert [c for c in dense if c.pp == 1] == enumerate_configs(32)  # dense: no ep term
-    assert not any(c.pp > 1 for c in cands)  # nor pipeline stages for experts (not supported yet)
+    assert any(c.pp > 1 and c.ep > 1 for c in cands)  # pipeline stages with expert parallelism (docs/pipeline.md)
     ranked = rank_layouts(_gpus(128), _moe_work())
     assert any(c.config.ep > 1 for c in ranked if c.runnable)
 
