@@ -195,6 +195,8 @@ class CausalLM(pl.LightningModule):
             # Every rank of a TP group holds the same loss and routes the same tokens: the mean over the ranks
             # holding a loss is the data-parallel mean, and token sums count each data-parallel rank tp times. Under
             # pp each stage's ranks hold their layers' auxiliary loss and counts only: the sum over stages is whole.
+            # The cp ranks of a sample hold as many tokens each, and count and route only theirs: the mean of their
+            # losses (auxiliary ones included, `models.moe.MoE`) is the sample's, their token sums are whole.
             tp = _tp_size(self.trainer.strategy)
             flat[0] /= flat[3]
             flat[1] /= dist.get_world_size() // pp

@@ -61,6 +61,23 @@ def test_cp_forward_and_backward_equal_the_unsplit_model(tmp_path):
         assert r["max_grad_rel_diff"] <= 1e-5, r
 
 
+@pytest.mark.multiprocess
+def test_cp_moe_with_ep_forward_loss_with_aux_router_counts_and_backward_equal_the_unsplit_model(tmp_path):
+    # cp=2,ep=2: the two cp ranks of a sample are also its ep group, each sending its own tokens to the experts
+    results = launch("context_parallel.py", 2, ["--layout", "cp=2,ep=2", "--model", "moe-debug"], tmp_path,
+                     timeout=200)
+    assert sorted(r["cp_rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["local_len"] == 16 and r["params"] == 29
+        assert r["logits_max_abs_diff"] <= 1e-5, r
+        # the load-balancing loss is taken over whole sequences: a rank's own tokens alone would give another value
+        assert r["aux"] > 0 and r["aux_rel_diff"] <= 1e-6, r
+        assert r["loss_rel_diff"] <= 1e-6, r
+        assert r["max_grad_rel_diff"] <= 1e-5, r
+        # each rank counts its own tokens' choices (2 x 16 tokens, top-2, per layer); their sum is the whole's
+        assert r["counts_equal"] is True and r["local_counts_sum"] == [128.0, 128.0], r
+
+
 def test_cp_layout_mesh_data_ranks_and_sequence_chunks():
     pcfg = ParallelConfig.parse("dp_shard=2,cp=2")
     assert pcfg.world_size == 4 and pcfg.dp_size == 2 and pcfg.fsdp_shard == 4
@@ -80,13 +97,27 @@ def test_cp_layout_mesh_data_ranks_and_sequence_chunks():
         ParallelConfig.parse("pp=2,cp=2,tp=2").validate(world_size=4)
 
 
-def test_cp_refusals_name_the_reason():
+def test_cp_with_ep_takes_whole_cp_groups_from_dp_shard_x_cp_and_keeps_positions():
     from dynatrain.models.moe_configs import MOE_CONFIGS
+    from dynatrain.models.parallelize import mesh_safe
 
-    with pytest.raises(ValueError, match="cp=2 with ep=2: context parallelism is not supported with expert"):
-        ParallelConfig.parse("dp_shard=2,cp=2,ep=2")
-    with pytest.raises(LayoutError, match="not supported for mixture-of-experts models yet"):
-        ParallelConfig(cp=2).validate(MOE_CONFIGS["moe-debug"])
+    pcfg = ParallelConfig.parse("dp_shard=4,cp=2,ep=4").validate(MOE_CONFIGS["moe-debug"], 8)
+    assert pcfg.mesh_dim_names == ("dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
+    assert pcfg.mesh_shape == (1, 2, 2, 2, 1) and pcfg.efsdp == 2
+    assert pcfg.flattened_dims()["ep"] == ("dp_shard_in_ep", "cp") and pcfg.root_dims("ep") == (2, 3)
+    assert pcfg.root_dims("dp_shard_cp") == (1, 2, 3)
+    # positions and data-parallel ranks are those of dp_shard=4,cp=2: ep changes which states a position holds
+    assert [pcfg.dp_rank_of(q) for q in range(8)] == [ParallelConfig(dp_shard=4, cp=2).dp_rank_of(q)
+                                                      for q in range(8)]
+    with pytest.raises(ValueError, match=r"ep=2 with cp=4 takes its ranks from dp_shard x cp, whole cp groups.*"
+                                         r"choose ep among \[4\]"):
+        ParallelConfig.parse("cp=4,ep=2")
+    # FSDP's group spans dp_shard x cp flattened: the ranks must ascend along it, not only along each of the two
+    assert mesh_safe([0, 1, 2, 3], ParallelConfig(dp_shard=2, cp=2))
+    assert not mesh_safe([0, 2, 1, 3], ParallelConfig(dp_shard=2, cp=2))
+
+
+def test_cp_refusals_name_the_reason():
 
     class PlainAttention(nn.Module):  # a user's module whose parallelisation made nothing cp-aware
         def __init__(self) -> None:
@@ -132,3 +163,9 @@ def test_memory_and_step_models_count_cp_savings_and_the_gathered_keys_and_value
     devices = Devices(count=32, memory_bytes=80 * 2**30, per_node=8, flops=989e12)
     times = {c: estimate_step(ParallelConfig(dp_shard=32 // c, cp=c), devices, work, CostModel(), 8) for c in (1, 8)}
     assert times[1].cp == 0 and 0 < times[8].cp < times[8].total
+    # a mixture of experts: a cp rank computes and routes its part of every sequence only
+    moe = Workload("qwen3-30b-a3b", seq_len=32768, global_batch=32, micro_batch=1)
+    flat, split = (estimate_step(ParallelConfig.parse(t), devices, moe, CostModel(), 8)
+                   for t in ("dp_shard=32,ep=8", "dp_shard=16,cp=2,ep=8"))
+    assert split.compute == pytest.approx(flat.compute, rel=1e-12)
+    assert 0 < split.ep < flat.ep

@@ -1,6 +1,6 @@
 """`dynatrain selfcheck --model moe-debug`: ep changes, a tp layout, a scale-in and a scale-out to HSDP with ep of the
-zoo's MoE model, and pipeline stages combined with ep and tp, each switch bitwise equal to the DCP oracle and the next
-step too."""
+zoo's MoE model, pipeline stages combined with ep and tp, and context parallelism with and without ep, each switch
+bitwise equal to the DCP oracle and the next step too."""
 
 import json
 import subprocess
@@ -73,3 +73,24 @@ def test_selfcheck_knows_the_moe_zoo_and_refuses_an_ep_that_does_not_divide_the_
     with pytest.raises(SystemExit) as err:
         main(["selfcheck", "--model", "no-such-model"])
     assert "moe-debug" in str(err.value) and "debug" in str(err.value)
+
+
+# Context parallelism for the MoE model: into cp with ep (the ep group takes whole cp groups from dp_shard x cp), then
+# cp with tp (experts FSDP-sharded over dp_shard x cp), and back. The routers' auxiliary loss is taken over whole
+# sequences: the cp ranks sum their token shares.
+CP_SEQUENCE = "dp_shard=4,ep=4 > dp_shard=2,cp=2,ep=2 > cp=2,tp=2 > dp_shard=4,ep=4"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_moe_selfcheck_through_cp_with_and_without_ep_bitwise():
+    result = _selfcheck(CP_SEQUENCE)
+    assert result["ok"] and result["worlds"] == [4, 4, 4, 4] and result["samples_equal"]
+    switches = result["switches"]
+    assert [(s["from"], s["to"]) for s in switches] == [
+        ("dp_shard=4,ep=4", "dp_shard=2,cp=2,ep=2"), ("dp_shard=2,cp=2,ep=2", "cp=2,tp=2"),
+        ("cp=2,tp=2", "dp_shard=4,ep=4")]
+    assert all(s["bitwise_equal"] is True and s["step_after_equal"] is True for s in switches)
+    assert [s["compared_on"] for s in switches] == [4, 4, 4]
+    assert all(s["bytes_moved"] > 0 for s in switches)
+    assert result["loss_max_rel_diff"] <= 1e-5 and len(result["losses"]) == 8

@@ -31,6 +31,12 @@ LAYOUTS = [
     (DEBUG, "dp_replicate=2,dp_shard=2,tp=2,ep=2"),
     (UNEVEN, "dp_shard=8,ep=2"),
     (UNEVEN, "dp_shard=4,tp=2,ep=4"),
+    # context parallelism: FSDP over dp_shard x cp, and ep taking whole cp groups from dp_shard x cp
+    (DEBUG, "dp_shard=2,cp=2,tp=2"),
+    (DEBUG, "dp_shard=2,cp=2,ep=2"),
+    (DEBUG, "dp_shard=2,cp=2,ep=4"),
+    (DEBUG, "dp_replicate=2,dp_shard=4,cp=2,tp=2,ep=4"),
+    (UNEVEN, "dp_shard=4,cp=2,ep=2"),
 ]
 
 

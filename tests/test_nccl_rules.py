@@ -57,6 +57,7 @@ DEVICE_TRAFFIC = {
     "dynatrain/control.py": "the control channel itself: CPU tensors on the control group",
     "dynatrain/engine/transition.py": "the switch's bytes: the states' own tensors, on their device",
     "dynatrain/models/expert_parallel.py": "token counts and tokens of the experts, on the activations' device",
+    "dynatrain/models/context_parallel.py": "a router's token counts summed over the cp group, on their device",
     "dynatrain/models/parallelize.py": "one device element per mesh group, to connect it before the first step",
     "dynatrain/strategies/pipeline.py": "the last stage's loss, on the device",
     "dynatrain/strategies/dynatrain.py": "one device element on a new world's default group: its first operation",

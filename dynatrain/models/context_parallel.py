@@ -83,6 +83,15 @@ class ContextParallel:
             self._mask = (key, k_pos[None, :] <= q_pos[:, None])
         return self._mask[1]
 
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the cp group, without gradient: a statistic of the whole sequence that is a sum over
+        its tokens (a router's token counts)."""
+        import torch.distributed as dist
+
+        out = x.detach().clone()
+        dist.all_reduce(out, group=self.mesh.get_group())
+        return out
+
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` of every cp rank, concatenated along the sequence (dim 2) in rank order; gradients flow back."""
         from torch.distributed._functional_collectives import all_gather_single_autograd

@@ -118,12 +118,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
         # earlier one hands them on.
-        cp = self.__dict__.get(CP_ATTR)
-        freqs_cis = self.freqs_cis
-        if cp is not None:
-            # Whole sequences come in on the first stage; from there on every tensor holds this rank's tokens.
-            tokens = cp.shard(tokens) if self.tok_embeddings is not None else tokens
-            freqs_cis = cp.shard(freqs_cis[: tokens.shape[1] * cp.size], dim=0)
+        tokens, freqs_cis = cp_split(self, tokens, self.freqs_cis)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
@@ -141,6 +136,17 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         """Recompute the non-persistent buffers (after `to_empty`)."""
         self.freqs_cis = self._freqs_cis(device=device)
+
+
+def cp_split(model: nn.Module, tokens: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder's input and RoPE table for this rank's tokens: unchanged without context parallelism; with it,
+    whole sequences come in on the first stage (``model.tok_embeddings`` present), and from there on every tensor
+    holds this rank's tokens, rotated by their global positions."""
+    cp = model.__dict__.get(CP_ATTR)
+    if cp is None:
+        return tokens, freqs_cis
+    tokens = cp.shard(tokens) if model.tok_embeddings is not None else tokens
+    return tokens, cp.shard(freqs_cis[: tokens.shape[1] * cp.size], dim=0)
 
 
 @torch.no_grad()

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dynatrain.models.context_parallel import CP_ATTR
 from dynatrain.models.llama import (
     Attention,
     FeedForward,
     RMSNorm,
     _local_tensor,
+    cp_split,
     init_parameters,
     precompute_freqs_cis,
 )
@@ -142,6 +144,13 @@ class MoE(nn.Module):
         if self.training and self.load_balance_coeff > 0:
             # Switch-Transformer balance: E * sum_e (share of the token choices e got) * (e's mean score).
             share = counts.to(scores.dtype) / flat.numel()
+            cp = self.__dict__.get(CP_ATTR)
+            if cp is not None:
+                # The share is over the whole sequence's choices: the cp group's counts summed (a token count has
+                # no gradient). The mean score stays this rank's: every cp rank holds as many tokens, so the mean
+                # of the ranks' losses is the unsplit loss, and each rank's gradient is cp times its tokens' share
+                # of the unsplit gradient, which FSDP's average over dp_shard x cp brings back.
+                share = cp.sum(counts).to(scores.dtype) / (flat.numel() * cp.size)
             self.aux_loss = self.load_balance_coeff * self.n_experts * (share * scores.mean(0)).sum()
             aux = self.aux_loss.detach()
             self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
@@ -196,10 +205,11 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
-        # earlier one hands them on.
+        # earlier one hands them on. With context parallelism, as the dense model (`models.llama.Transformer`).
+        tokens, freqs_cis = cp_split(self, tokens, self.freqs_cis)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -233,9 +243,13 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages
       `moe_specs.moe_stage_split`), everything below runs on the stage's sub-mesh, and each layer's auxiliary loss
       joins the backward through its output;
 
+    - cp: each sequence split over the cp ranks as in the dense model (`models.context_parallel`); routing is per
+      token, so the MoE works on the rank's tokens, and only the auxiliary loss's token shares are summed over the
+      cp group (the unsplit model's loss);
     - tp: attention heads, embeddings and the output projection split as in the dense model; the router, the
       shared expert and the routed experts stay whole on every TP rank (each TP rank routes the same tokens);
-    - ep: each layer's routed experts split over ``ep`` (`ExpertParallel`), tokens moved by all-to-all;
+    - ep: each layer's routed experts split over ``ep`` (`ExpertParallel`), tokens moved by all-to-all; with cp,
+      the ep group spans whole cp groups (``ParallelConfig``), each rank sending its own tokens;
     - FSDP2: the experts over the data-parallel ranks outside their ep group (``efsdp``, HSDP with
       ``dp_replicate``), then each block and the root over all data-parallel ranks.
 
@@ -246,12 +260,18 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages
     from torch.distributed.tensor.parallel import parallelize_module
 
     from dynatrain.models import tp_plan
+    from dynatrain.models.context_parallel import enable_context_parallel
     from dynatrain.models.expert_parallel import ExpertParallel
     from dynatrain.models.moe_specs import moe_stage_split
-    from dynatrain.models.parallelize import apply_fsdp, apply_fsdp_stages, apply_tp, dense_meshes
+    from dynatrain.models.parallelize import apply_cp, apply_fsdp, apply_fsdp_stages, apply_tp, dense_meshes
     from dynatrain.models.pipeline import split_model
 
     pcfg.validate(model.config)  # tp against heads, KV heads and vocabulary; ep against the experts
+    # Before a pipeline split: the stages' views copy the model's. The routers count the whole sequence's tokens.
+    apply_cp(model, mesh, pcfg)
+    if pcfg.cp > 1:
+        for block in model.layers.values():
+            enable_context_parallel(block.moe, mesh["cp"])
     stages = None
     if pcfg.pp > 1:
         split = moe_stage_split(model.config, pcfg.pp, stages_per_rank)
@@ -269,10 +289,15 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages
             # As the stage's blocks (`apply_fsdp_stages`): every micro-batch's forward runs before its backward.
             kwargs["reshard_after_forward"] = False
         gloo = mesh.device_type == "cpu"  # CPU meshes run on gloo
+        # With cp, ep is a flattening (of dp_shard_in_ep and cp), read where the mesh keeps it: slicing it from the
+        # root is deprecated in torch.
+        ep_mesh = getattr(mesh, "_flatten_mapping", {}).get("ep")
+        ep_mesh = mesh["ep"] if ep_mesh is None else ep_mesh
         for block in model.layers.values():
-            parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
+            parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
             fully_shard(block.moe.experts, mesh=expert_dp, **kwargs)
-            block.moe.experts.set_gradient_divide_factor(float(pcfg.dp_size))
+            # Every rank of a sample's cp group holds a loss of its own tokens, as a data-parallel rank does.
+            block.moe.experts.set_gradient_divide_factor(float(pcfg.dp_size * pcfg.cp))
             if gloo and pcfg.efsdp > 1:
                 # gloo has no pre-scaled sum: sum, then divide. (Not with one efsdp rank: torch then divides while
                 # it copies the gradient and would divide a second time after a forced sum.)

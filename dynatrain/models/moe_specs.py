@@ -3,10 +3,10 @@
 building anything. A test holds them equal to the placements captured from a real meta build.
 
 What `parallelize_moe` gives (on the root mesh ``(dp_replicate, dp_shard, tp)``, or ``(dp_replicate, efsdp, ep,
-tp)`` with ep):
+tp)`` with ep, ``(dp_replicate, efsdp, dp_shard_in_ep, cp, tp)`` with ep and cp, ep the flattened last two):
 - tensor parallelism splits attention (wq, wk, wv on dim 0, wo on dim 1), the embedding (rows) and the output
   (dim 0); the router, the shared expert, the norms and the routed experts stay whole on every TP rank;
-- dense states are FSDP2 ``Shard(0)`` over dp_shard (``_StridedShard(0, tp)`` when TP split dim 0), replicated
+- dense states are FSDP2 ``Shard(0)`` over dp_shard x cp (``_StridedShard(0, tp)`` when TP split dim 0), replicated
   over dp_replicate: exactly the dense zoo's rule (`vps.rules.rule_sharding`);
 - routed experts (``[E, ...]``) with ep > 1: ``Shard(0)`` over ep, then FSDP2 over efsdp on the ep-local stack,
   which DTensor records as ``_StridedShard(0, ep)`` on efsdp; with ep == 1 they are dense states.
@@ -57,14 +57,16 @@ def expert_sharding(pcfg: ParallelConfig) -> Sharding:
     if pcfg.ep == 1:
         return rule_sharding(ShardRule((1,)), pcfg)  # FSDP Shard(0) over dp_shard, like any whole-per-TP state
     names = pcfg.mesh_dim_names
-    efsdp, ep = names.index("efsdp"), names.index("ep")
+    efsdp = names.index("efsdp")
+    # A mesh dimension of size 1 splits nothing, and the captured sharding leaves it out: do the same (with cp,
+    # ep spans (dp_shard_in_ep, cp), whose first may be 1).
+    ep = tuple(d for d in pcfg.root_dims("ep") if pcfg.mesh_shape[d] > 1)
     placements, dims = [], []
-    # A mesh dimension of size 1 splits nothing, and the captured sharding leaves it out: do the same.
     if pcfg.efsdp > 1:
         placements.append(StridedShard(0, pcfg.ep))
         dims.append((efsdp,))
     placements.append(Shard(0))
-    dims.append((ep,))
+    dims.append(ep)
     return Sharding(pcfg.mesh_shape, tuple(placements), tuple(dims))
 
 

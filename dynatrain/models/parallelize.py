@@ -88,12 +88,14 @@ def connect_mesh_groups(mesh: DeviceMesh, pcfg: ParallelConfig, device: torch.de
 
 
 def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
-    """True when ranks ascend along every dimension of the (pp, dp_replicate, dp_shard, cp, tp) mesh.
+    """True when ranks ascend along every dimension of the (pp, dp_replicate, dp_shard x cp, tp) mesh.
 
     `new_group` sorts its ranks, so a group's rank order equals the mesh order only for such arrangements;
-    any other one silently permutes all-gathers and reduce-scatters.
+    any other one silently permutes all-gathers and reduce-scatters. FSDP's group spans dp_shard x cp flattened
+    (and ep's a run of it): ascending along dp_shard and along cp apart is not enough ([0, 2, 1, 3] for
+    dp_shard=2,cp=2 would gather every state's shards out of order).
     """
-    grid = np.asarray(ranks, dtype=np.int64).reshape(pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.cp, pcfg.tp)
+    grid = np.asarray(ranks, dtype=np.int64).reshape(pcfg.pp, pcfg.dp_replicate, pcfg.fsdp_shard, pcfg.tp)
     return all(bool((np.diff(grid, axis=axis) > 0).all()) for axis in range(grid.ndim))
 
 

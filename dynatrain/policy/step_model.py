@@ -59,8 +59,9 @@ def _compute_seconds(cfg: ParallelConfig, devices: Devices, work: Workload) -> t
     per_token = 6 * sizes.matmul + 12 * model.n_layers * width * work.seq_len
     rate = devices.flops * devices.efficiency
     dense = work.tokens_per_step * per_token / devices.count / rate
-    # Routed experts are not split over TP: every TP rank computes its tokens' experts in full.
-    experts = work.tokens_per_step * 6 * sizes.expert_active / cfg.dp_size / rate
+    # Routed experts are not split over TP: every TP rank computes its tokens' experts in full (a cp rank's tokens
+    # are its part of every sequence).
+    experts = work.tokens_per_step * 6 * sizes.expert_active / (cfg.dp_size * cfg.cp) / rate
     # A forward is a third of forward + backward.
     recompute = recompute_fraction(work) / 3 * (work.tokens_per_step * blocks / devices.count / rate + experts)
     return dense + experts + recompute, recompute
@@ -200,7 +201,7 @@ def _all_to_all_step_seconds(cfg: ParallelConfig, devices: Devices, work: Worklo
     model = work.model
     if cfg.ep == 1 or not spec_for(model).routed_experts:
         return 0.0
-    tokens = work.micro_batch * work.seq_len
+    tokens = work.micro_batch * work.seq_len / cfg.cp  # a cp rank routes its part of every sequence
     nbytes = tokens * model.dim * model.top_k * DTYPE_ITEMSIZE[work.compute_dtype]
     ep_group, _ = expert_groups(cfg, devices.per_node)
     per_layer = 2 * 2 * (all_to_all_seconds(nbytes, ep_group, devices) + devices.network.round_latency_s)

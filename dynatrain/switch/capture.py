@@ -71,7 +71,9 @@ def _mesh_runs(mesh: DeviceMesh, root: DeviceMesh) -> list[tuple[int, ...] | Non
         run = tuple(range(varying[0], varying[-1] + 1))
         sizes = [root_ranks.shape[d] for d in run]
         expected = np.array(list(np.ndindex(*sizes)))
-        if tuple(varying) != run or not np.array_equal(coords[:, list(run)], expected):
+        # A root dimension of size 1 inside the run (ep and cp's dp_shard_in_ep) is a flattening's too.
+        gaps = [d for d in run if d not in varying and root_ranks.shape[d] != 1]
+        if gaps or not np.array_equal(coords[:, list(run)], expected):
             raise ValueError(
                 f"mesh dimension {k} of {mesh} runs over the root mesh's ranks {line} out of row-major order: only "
                 "sub-meshes and flattenings of the strategy's device mesh can be switched"
@@ -272,12 +274,15 @@ def _check_ep_used(root: DeviceMesh, shardings: list[Sharding]) -> None:
     """A layout with ep > 1 whose parallelisation splits nothing over ep would run every expert on every rank of
     the ep group while the layout claims otherwise; the user asked for something this model does not do."""
     names = tuple(root.mesh_dim_names or ())
-    if "ep" not in names or root.mesh.shape[names.index("ep")] == 1:
+    # With cp, ep is a flattening of root dimensions (vps.parallel_config).
+    flat = getattr(root, "_flatten_mapping", {})
+    ep_mesh = root["ep"] if "ep" in names else flat.get("ep")
+    if ep_mesh is None or ep_mesh.size() == 1:
         return
-    ep = (names.index("ep"),)
+    ep = next(run for run in _mesh_runs(ep_mesh, root) if run is not None)
     if not any(ep in sh.dims for sh in shardings):
         raise ValueError(
-            f"the layout asks for ep={root.mesh.shape[names.index('ep')]}, but the module's parallelisation splits "
+            f"the layout asks for ep={ep_mesh.size()}, but the module's parallelisation splits "
             "no state over the ep mesh dimension (it has no routed experts, or does not apply ExpertParallel): "
             "use ep=1 for this model"
         )

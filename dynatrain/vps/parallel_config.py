@@ -15,6 +15,11 @@ dp_shard indices, routed experts are split over ``ep`` and sharded by FSDP over 
 shards over ``dp_shard`` (the flattened pair) as without ep. Positions keep the row-major order of the
 ``(dp_replicate, dp_shard, tp)`` view, so ep changes which states a position holds, never which position a
 process takes.
+
+With both, ep borrows its ranks from ``dp_shard x cp`` (torchtitan's way): an ep group is ``ep / cp`` consecutive
+dp_shard indices with all their cp ranks, so the root mesh is ``(dp_replicate, efsdp, dp_shard_in_ep, cp, tp)`` and
+``ep`` is the flattened ``(dp_shard_in_ep, cp)``; ``efsdp = dp_shard * cp / ep``. The cp ranks of one sample then
+send their own tokens to the experts: routing is per token.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
 CP_MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+EP_CP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
 _TERMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 _TERM = re.compile(r"^\s*(pp|dp_replicate|dp_shard|cp|tp|ep)\s*=\s*(-?\d+)\s*$")
 
@@ -52,17 +58,22 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dp_shard % self.ep:
+        if self.cp > 1 and self.ep > 1:
+            if self.ep % self.cp or self.dp_shard % (self.ep // self.cp):
+                raise ValueError(
+                    f"ep={self.ep} with cp={self.cp} takes its ranks from dp_shard x cp, whole cp groups at a time (as "
+                    f"torchtitan's): ep must be a multiple of cp={self.cp} and ep/cp must divide dp_shard="
+                    f"{self.dp_shard}: choose ep among {self._eps_with_cp()}, or cp=1"
+                )
+        elif self.dp_shard % self.ep:
             raise ValueError(
                 f"ep={self.ep} takes its ranks from dp_shard, but dp_shard={self.dp_shard} is not a multiple of it: "
                 f"choose dp_shard a multiple of {self.ep} (e.g. dp_shard={self.ep * max(1, self.dp_shard // self.ep)}) "
                 f"or an ep that divides {self.dp_shard}"
             )
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(
-                f"cp={self.cp} with ep={self.ep}: context parallelism is not supported with expert parallelism yet "
-                "(the routed experts' mesh would have to span dp_shard x cp): use ep=1 or cp=1"
-            )
+
+    def _eps_with_cp(self) -> list[int]:
+        return [self.cp * k for k in range(1, self.dp_shard + 1) if self.dp_shard % k == 0]
 
     @classmethod
     def parse(cls, text: "str | ParallelConfig") -> "ParallelConfig":
@@ -136,8 +147,10 @@ class ParallelConfig:
     def mesh_shape(self) -> tuple[int, ...]:
         """The root mesh: ``(dp_replicate, dp_shard, tp)``, ``(dp_replicate, efsdp, ep, tp)`` with ep,
         ``(dp_replicate, dp_shard, cp, tp)`` with cp; with pp, a leading ``pp`` dimension."""
-        if self.ep > 1:
-            shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        if self.ep > 1 and self.cp > 1:
+            shape = (self.dp_replicate, self.efsdp, self.ep // self.cp, self.cp, self.tp)
+        elif self.ep > 1:
+            shape = (self.dp_replicate, self.efsdp, self.ep, self.tp)
         elif self.cp > 1:
             shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         else:
@@ -146,7 +159,10 @@ class ParallelConfig:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        names = EP_MESH_DIM_NAMES if self.ep > 1 else CP_MESH_DIM_NAMES if self.cp > 1 else MESH_DIM_NAMES
+        if self.ep > 1:
+            names = EP_CP_MESH_DIM_NAMES if self.cp > 1 else EP_MESH_DIM_NAMES
+        else:
+            names = CP_MESH_DIM_NAMES if self.cp > 1 else MESH_DIM_NAMES
         return (("pp",) if self.pp > 1 else ()) + names
 
     @property
@@ -160,16 +176,20 @@ class ParallelConfig:
 
     @property
     def efsdp(self) -> int:
-        """The ranks FSDP shards each routed expert over: dp_shard / ep."""
-        return self.dp_shard // self.ep
+        """The ranks FSDP shards each routed expert over: dp_shard * cp / ep."""
+        return self.fsdp_shard // self.ep
 
     def flattened_dims(self) -> dict[str, tuple[str, ...]]:
         """Names a mesh of this layout also answers to, each a flattening of root dimensions: ``dp_shard`` with ep,
         ``dp_shard_cp`` (what FSDP shards over) with cp, and Lightning's ``data_parallel`` and ``tensor_parallel``
         (so code written for ModelParallelStrategy runs). With cp, ``data_parallel`` spans cp too: code that
         shards over it then reduces gradients over the cp ranks, which see different tokens of one sample."""
-        dp_shard = ("efsdp", "ep") if self.ep > 1 else ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
-        out = {"dp_shard": dp_shard} if self.ep > 1 else {"dp_shard_cp": dp_shard} if self.cp > 1 else {}
+        if self.ep > 1 and self.cp > 1:
+            dp_shard = ("efsdp", "dp_shard_in_ep", "cp")
+            out = {"dp_shard": dp_shard[:2], "ep": dp_shard[1:], "dp_shard_cp": dp_shard}
+        else:
+            dp_shard = ("efsdp", "ep") if self.ep > 1 else ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
+            out = {"dp_shard": dp_shard} if self.ep > 1 else {"dp_shard_cp": dp_shard} if self.cp > 1 else {}
         out["data_parallel"] = ("dp_replicate",) + dp_shard
         out["tensor_parallel"] = ("tp",)
         return out
@@ -178,6 +198,9 @@ class ParallelConfig:
         """The root mesh dimensions a named dimension spans (``dp_shard`` is ``(efsdp, ep)`` with ep; ``dp_shard_cp``,
         what FSDP shards over, is ``(dp_shard, cp)`` with cp and ``dp_shard`` without)."""
         names = self.mesh_dim_names
+        if name in ("dp_shard", "ep") and self.ep > 1 and self.cp > 1:
+            first = names.index("efsdp" if name == "dp_shard" else "dp_shard_in_ep")
+            return (first, first + 1)
         if name == "dp_shard" and self.ep > 1:
             return (names.index("efsdp"), names.index("ep"))
         if name == "dp_shard_cp":
@@ -214,11 +237,6 @@ class ParallelConfig:
             raise LayoutError(
                 f"pp={self.pp} needs at least one layer per stage, and model {model.name!r} has {n_layers}: choose "
                 f"pp <= {n_layers}"
-            )
-        if model is not None and self.cp > 1 and getattr(model, "n_experts", None) is not None:
-            raise LayoutError(
-                f"cp={self.cp}: context parallelism is not supported for mixture-of-experts models yet (model "
-                f"{model.name!r}; their load-balancing loss is taken over whole sequences): use cp=1"
             )
         if model is not None and self.ep > 1:
             n_experts = getattr(model, "n_experts", None)
