@@ -93,6 +93,7 @@ def launch_local(
     outs = [workdir / f"{name}-{port}-rank{r}.json" for r in range(nprocs)]
     logs = [workdir / f"{name}-{port}-rank{r}.log" for r in range(nprocs)]
     envs = [rank_env(rank, nprocs, port, env, heap) for rank in range(nprocs)]
+    _forget_earlier_launch(outs, logs, workdir / f"{name}-{port}")
     if preload and hasattr(os, "fork"):
         procs = _fork_ranks(argv, envs, outs, logs, workdir / f"{name}-{port}", preload, keep_zygote)
     else:
@@ -162,6 +163,7 @@ def launch_elastic(
     try:
         for i, extra in enumerate(extras):
             out, log = workdir / f"{name}-joiner{i}.json", workdir / f"{name}-joiner{i}.log"
+            out.unlink(missing_ok=True)  # an earlier launch's in this folder would pass for this joiner's
             outs.append(out)
             logs.append(log)
             full = joiner_env(env, nprocs + len(extras), heap)
@@ -354,6 +356,17 @@ class _ServedLaunch:
 
     def logs(self) -> list[Path]:
         return [self.log, self.server.log]
+
+
+def _forget_earlier_launch(outs: list[Path], logs: list[Path], stem: Path) -> None:
+    """Delete what an earlier launch in ``workdir`` left under these names. A store's port is free again once the
+    store is gone, so a later launch may get the same port and names; a rank's exit status or result left from the
+    earlier one would then pass for its own (a launch that returned at once with the earlier results)."""
+    from dynatrain.forked_ranks import rc_path
+
+    zygote_log = Path(f"{stem}-zygote.log")
+    for path in (*outs, *logs, *map(rc_path, logs), zygote_log, Path(f"{zygote_log}.rc")):
+        path.unlink(missing_ok=True)
 
 
 def _fork_ranks(argv: list[str], envs: list[dict], outs: list[Path], logs: list[Path], stem: Path,

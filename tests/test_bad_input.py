@@ -342,8 +342,8 @@ def test_refused_switches_leave_the_state_bitwise_unchanged_and_training_goes_on
         "product": "dp_shard=4 needs dp_replicate*dp_shard*tp = 4 devices, but there are 2: changing the number "
                    "of processes needs an elastic job",
         "product_tp": "dp_shard=2,tp=2 needs dp_replicate*dp_shard*tp = 4 devices, but there are 2",
-        "parse": "cannot parse 'dp=2' in layout 'dp=2': each term is pp=N, dp_replicate=N, dp_shard=N, tp=N or "
-                 "ep=N",
+        "parse": "cannot parse 'dp=2' in layout 'dp=2': each term is pp=N, dp_replicate=N, dp_shard=N, cp=N, "
+                 "tp=N or ep=N",
         "pp_layers": "pp=2 needs at least one layer per stage, and model 'debug' has 1: choose pp <= 1",
         "zero": "tp must be a positive integer, got 0",
         "leave": "leave=[5]: ranks [5] are not in the current world of 2 processes",

@@ -142,3 +142,24 @@ def test_the_ranks_of_a_launch_end_when_its_caller_is_killed(tmp_path, keep):
         caller.kill()  # as a test run stopped from outside: no clean-up of its own runs
         caller.wait()
     wait_for(lambda: all(_ended(pid) for pid in ranks), 10)
+
+
+def test_a_launch_on_a_port_used_before_in_its_folder_reports_its_own_ranks(tmp_path, monkeypatch):
+    """A store's port is free again once the store is gone: a later launch may get the same one, and the earlier
+    launch's results and exit statuses under the same names must not pass for its own."""
+    import json
+
+    from dynatrain import launcher
+
+    script = tmp_path / "says.py"
+    script.write_text("import argparse, json, os\nap = argparse.ArgumentParser()\nap.add_argument('--out')\n"
+                      "ap.add_argument('--word')\na = ap.parse_args()\n"
+                      "json.dump({'word': a.word, 'rank': int(os.environ['RANK'])}, open(a.out, 'w'))\n")
+
+    class SamePort:
+        port = 29999
+
+    monkeypatch.setattr(launcher, "host_store", lambda: SamePort())
+    runs = [launcher.launch_local([str(script), "--word", word], 2, tmp_path, name="says", timeout=60,
+                                  preload=["json"]) for word in ("first", "second")]
+    assert [[r["word"] for r in run] for run in runs] == [["first"] * 2, ["second"] * 2], json.dumps(runs)
