@@ -7,8 +7,8 @@ test starts) runs its collectives through these rules:
    control group (a gloo group `dynatrain.control.new_control_group` made); a control group carries nothing else.
    On CUDA the training groups are NCCL, which refuses the CPU tensors metadata travels in.
 2. **Device tensors on training groups.** Every tensor handed to a training group is on the device type named by
-   ``$DYNATRAIN_NCCL_RULES_DEVICE`` (default: ``cuda`` when CUDA is there, else ``cpu``); every tensor on a gloo
-   group made for host traffic is on the CPU.
+   ``$DYNATRAIN_NCCL_RULES_DEVICE`` (default: its backend's, cuda for NCCL and cpu for gloo, so CPU ranks on a CUDA
+   host are held to gloo's); every tensor on a gloo group made for host traffic is on the CPU.
 3. **A fresh group's first operation is a collective.** NCCL sets a communicator up at its first use and waits for
    every rank there; torch leaves a first ``batch_isend_irecv`` that not every rank joins undefined.
 4. **Sends and receives between each pair are posted in matching order.** Each process appends its point-to-point
@@ -62,13 +62,14 @@ def _out_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def _device_type() -> str:
+def _device_type(dist, group) -> str | None:
+    """The device type a training group takes: ``$DYNATRAIN_NCCL_RULES_DEVICE``, else its backend's (NCCL: cuda,
+    gloo: cpu); None where one backend serves several (a ``cpu:gloo,cuda:nccl`` group) or none is known (fake)."""
     value = os.environ.get(DEVICE_ENV)
     if value:
         return value
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    backend = str(dist.get_backend(group)).lower()
+    return {"nccl": "cuda", "gloo": "cpu"}.get(backend)
 
 
 def _append(name: str, line: str) -> None:
@@ -120,9 +121,9 @@ def _check(dist, op: str, group, tensors: list, from_control: bool) -> None:
         _breach(f"{op} on the control group from outside dynatrain.control: training traffic belongs on the "
                 "training groups")
     _counts["control" if name in _world["control"] else "host" if name in _world["host"] else "training"] += 1
-    want = "cpu" if name in _world["host"] else _device_type()
+    want = "cpu" if name in _world["host"] else _device_type(dist, group)
     for t in tensors:
-        if t.device.type != want:
+        if want is not None and t.device.type != want:
             _breach(f"{op} on group {name!r} with a tensor on {t.device}: this group takes {want} tensors only")
     if name in _world["fresh"]:
         _world["fresh"].discard(name)

@@ -3,7 +3,8 @@
 Every multi-process test of the suite runs under the rules (tests/conftest.py puts each process a test starts
 under them and fails a test whose processes broke one); this file shows that they bite: the agreement sent on a
 training group (what the elastic callback did before the control group), a group whose first operation is
-point-to-point, training traffic on the control group, and sends posted in another order than their receives."""
+point-to-point, training traffic on the control group, a tensor of another device type than its group takes, and
+sends posted in another order than their receives."""
 
 import json
 import os
@@ -35,10 +36,11 @@ def test_the_rules_refuse_what_nccl_would_and_pass_the_control_group(tmp_path):
         assert "metadata belongs on the control group" in row["agreement_on_training_group"]
         assert row["agreement_on_control_group"] == "passed", row
         assert "from outside dynatrain.control" in row["training_traffic_on_control_group"], row
+        assert "with a tensor on meta: this group takes cpu tensors only" in row["wrong_device_on_training_group"]
         assert "first operation on the fresh group" in row["p2p_first_on_fresh_group"], row
         # Each rank alone sees nothing wrong in its own order: the pairs are compared afterwards.
         assert row["p2p_after_a_collective_out_of_order"] == "passed", row
-    assert len(nccl_rules.violations(rules)) == 6  # three refusals on each of two ranks, written as they happened
+    assert len(nccl_rules.violations(rules)) == 8  # four refusals on each of two ranks, written as they happened
     problems = nccl_rules.check_pairs(rules)
     assert len(problems) == 1 and "rank 0's send #0 to rank 1" in problems[0], problems
     assert "float32" in problems[0] and "int64" in problems[0]

@@ -61,6 +61,8 @@ def run(rank: int, out: str) -> None:
         "agreement_on_control_group": _refused(lambda: _exchange(strategy)),
         "training_traffic_on_control_group": _refused(
             lambda: dist.all_reduce(torch.zeros(1), group=strategy.control_group)),
+        # gloo's training group takes CPU tensors (on CUDA, NCCL's takes cuda ones): a meta tensor is refused.
+        "wrong_device_on_training_group": _refused(lambda: dist.all_reduce(torch.zeros(1, device="meta"))),
         "p2p_first_on_fresh_group": _refused(lambda: _p2p(fresh, rank)),
         "p2p_after_a_collective_out_of_order": _refused(lambda: _p2p(formed, rank)),
     }
