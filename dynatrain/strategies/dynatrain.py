@@ -367,9 +367,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         An NCCL group holds its communicator's buffers on the device for as long as it lives, and a job that wanders
         through layouts would keep them all; destroying it shuts the communicator down. A layout visited again is
         connected again when its switch builds it, before the stall. Gloo's connections close only when the last
-        reference to the group goes, and torch keeps some of a mesh's (6 file descriptors more per switch on 2 ranks, measured): there
-        the meshes stay and are reused instead, bounded by the layouts visited. ``retire_groups`` (None: on NCCL)
-        decides. Every rank calls this at the same point after a switch, when no operation on an old group is
+        reference to the group goes, and torch keeps some of a mesh's (6 file descriptors more per switch on 2
+        ranks, measured): there the meshes stay and are reused instead, bounded by the layouts visited.
+        ``retire_groups`` (None: on NCCL) decides. Every rank calls this at the same point after a switch, when no operation on an old group is
         pending; destroying a group is local."""
         import torch.distributed as dist
 
