@@ -37,9 +37,9 @@ DEVICE_ENV = "DYNATRAIN_NCCL_RULES_DEVICE"
 _CONTROL_FILE = os.path.join("dynatrain", "control.py")
 _P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
 _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-                "broadcast", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                "all_to_all", "all_to_all_single",
-                "barrier", "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list", "reduce"}
+                "broadcast", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
+                "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather",
+                "gather_object", "scatter", "scatter_object_list", "reduce"}
 
 
 class NcclRuleError(RuntimeError):

@@ -369,8 +369,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         connected again when its switch builds it, before the stall. Gloo's connections close only when the last
         reference to the group goes, and torch keeps some of a mesh's (6 file descriptors more per switch on 2
         ranks, measured): there the meshes stay and are reused instead, bounded by the layouts visited.
-        ``retire_groups`` (None: on NCCL) decides. Every rank calls this at the same point after a switch, when no operation on an old group is
-        pending; destroying a group is local."""
+        ``retire_groups`` (None: on NCCL) decides. Every rank calls this at the same point after a switch, when no
+        operation on an old group is pending; destroying a group is local."""
         import torch.distributed as dist
 
         if not dist.is_initialized() or self._device_mesh is None:
