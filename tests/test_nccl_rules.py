@@ -95,6 +95,7 @@ def test_collectives_outside_the_control_channel_carry_device_tensors_only():
                           f"or list the module in DEVICE_TRAFFIC with why its tensors are device tensors: {unlisted}")
     objects = [f"{p}:{line} dist.{op}" for p, line, op in calls if op in OBJECT_COLLECTIVES and
                p != "dynatrain/control.py"]
-    assert not objects, f"object collectives stage through the CUDA device on NCCL; use control.all_gather_object: {objects}"
+    assert not objects, ("object collectives stage through the CUDA device on NCCL; use control.all_gather_object: "
+                         f"{objects}")
     stale = sorted(set(DEVICE_TRAFFIC) - {p for p, _, _ in calls})
     assert not stale, f"listed modules that no longer call a collective: {stale}"
