@@ -126,7 +126,8 @@ def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | Non
 
 
 def all_gather_slots(slot: Slot, group=None) -> list[Slot]:
-    """Every rank's slot, in rank order of ``group`` (None: the default group); only ``slot`` without a group."""
+    """Every rank's slot, in rank order of ``group`` (the world's control group, `dynatrain.control`); only ``slot``
+    without a process group."""
     if not control.distributed():
         return [slot]
     gathered = control.all_gather_bytes(encode_slot(slot), group)

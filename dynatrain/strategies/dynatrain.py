@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -318,8 +319,6 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         is one every rank joins (NCCL sets a communicator up at its first use and waits for every rank there; the
         first could otherwise be a switch's send, which a rank with nothing to send never posts), then the world's
         control group."""
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             self.control_group = None
             return
@@ -371,8 +370,6 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         ranks, measured): there the meshes stay and are reused instead, bounded by the layouts visited.
         ``retire_groups`` (None: on NCCL) decides. Every rank calls this at the same point after a switch, when no
         operation on an old group is pending; destroying a group is local."""
-        import torch.distributed as dist
-
         if not dist.is_initialized() or self._device_mesh is None:
             return 0
         if not (self.retire_groups if self.retire_groups is not None else "nccl" in str(dist.get_backend())):
