@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,21 +40,67 @@ def _recipe(tmp_path: Path) -> Path:
     return path
 
 
+def _niceness_of_threads(pid: int) -> tuple[int, ...]:
+    """The distinct niceness values of a process's threads (field 19 of each /proc/<pid>/task/<tid>/stat)."""
+    values = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        values.add(int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()[16]))
+    return tuple(sorted(values))
+
+
+def _watch_standby_niceness(proc: subprocess.Popen, timeout: float) -> dict[int, list[tuple[int, ...]]]:
+    """Until ``proc`` ends: every few tenths of a second, the niceness of each `dynatrain join` process it started."""
+    seen: dict[int, list[tuple[int, ...]]] = {}
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError("the elastic job did not end")
+        for entry in os.listdir("/proc"):
+            try:
+                if not entry.isdigit() or int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[1]) \
+                        != proc.pid or b"join" not in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0"):
+                    continue
+                seen.setdefault(int(entry), []).append(_niceness_of_threads(int(entry)))
+            except (OSError, IndexError, ValueError):
+                pass  # it ended meanwhile
+        time.sleep(0.25)
+    return seen
+
+
+def _waited_then_trained(samples: list[tuple[int, ...]], normal: int, niced: int) -> bool:
+    waiting = samples.index((niced,)) if (niced,) in samples else None
+    return waiting is not None and (normal,) in samples[waiting:]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_elastic_launcher_scales_out_through_a_standby_dynatrain_join(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dynatrain.cli", "fit", "--config", str(_recipe(tmp_path)),
-           "--elastic.max_devices", "3", "--elastic.standby", "1", "--elastic.workdir", str(tmp_path / "elastic")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=380)
-    out = proc.stdout + proc.stderr
+           "--elastic.max_devices", "3", "--elastic.standby", "1", "--elastic.workdir", str(tmp_path / "elastic"),
+           # Niced by 1 only: enough to see, too little to make the test's wait for its standby depend on the load
+           # of whatever else runs on the machine.
+           "--elastic.standby_nice", "1"]
+    log = tmp_path / "out.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        niceness = _watch_standby_niceness(proc, timeout=380)
+    out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
+    # The standby waited niced (every thread) and trained at its normal priority once admitted.
+    from dynatrain.elastic.priority import restorable
+
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    if start + 1 <= 19 and restorable(start):
+        assert any(_waited_then_trained(seen, start, start + 1) for seen in niceness.values()), niceness
     assert "dynatrain join --endpoint" in out
     jsonl = list((tmp_path / "run").rglob("switches.jsonl"))
     assert len(jsonl) == 1, out[-3000:]
     records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
     assert [(r["step"], r["old_world_size"], r["world_size"]) for r in records] == [(2, 2, 3), (5, 3, 2)]
     assert records[0]["decision"]["request"] == "devices=3 wait"
+    assert records[0]["decision"]["standby"] in (0, 1) and records[1]["decision"]["standby"] is None  # the pool
     assert records[1]["decision"]["step"] == 4 and records[1]["prepared"]
     # The process that left at 3 -> 2 stayed as the standby: the launcher never had to start another one.
     assert "left the job; it waits as a standby process" in out, out[-4000:]

@@ -130,6 +130,7 @@ def test_trace_switches_at_its_step_and_the_report_carries_the_decision(tmp_path
 def test_a_waiting_trace_entry_asks_the_strategy_to_hold_training_for_its_joiners(tmp_path):
     trace = [{"step": 1, "devices": 4, "wait": True}, {"step": 2, "devices": 2}]
     strategy = WaitingFakeStrategy("dp_shard=2")
+    strategy.ready_standby = lambda: 1  # the warm pool, as rank 0 reads it
     trainer = fake_trainer(strategy, tmp_path)
     cb = _started(ElasticCallback(trace=trace, max_devices=4, log_dir=str(tmp_path)), trainer)
     for step in (1, 2):
@@ -137,8 +138,10 @@ def test_a_waiting_trace_entry_asks_the_strategy_to_hold_training_for_its_joiner
     assert [ParallelConfig.parse(t).world_size for t, _ in strategy.requests] == [4, 2]
     assert strategy.waits == [True, False]
     assert [d.request for d in cb.decisions] == ["devices=4 wait", "devices=2"]
+    assert [d.standby for d in cb.decisions] == [1, None]  # only a scale-out reports the pool
     records = read_switches(tmp_path / JSONL_NAME)
     assert records[0]["decision"]["request"] == "devices=4 wait"
+    assert records[0]["decision"]["standby"] == 1
     cb.close()
     # A strategy whose request_switch has no `wait` still switches; the entry is taken without holding training.
     older = ElasticFakeStrategy("dp_shard=2")

@@ -349,13 +349,16 @@ class ElasticCallback(pl.Callback):
             if self.plan_ahead and merged.deadline_in is None \
                     and accepts_keyword(strategy.request_switch, "plan_ahead"):
                 options["plan_ahead"] = True
+            standby = None
+            if plan.target.world_size > strategy.world_size and hasattr(strategy, "ready_standby"):
+                standby = strategy.ready_standby()  # the warm pool this scale-out admits from first
             target = strategy.request_switch(plan.target, **options)
         except ValueError as err:
             return Decision(action="reject", reason=str(err), **base)
         # The fixed-world strategy returns the validated layout; take the plan's when a strategy returns nothing.
         target = ParallelConfig.parse(target) if isinstance(target, (str, ParallelConfig)) else plan.target
         return Decision(action="switch", target=target.short(), reason=f"{plan.reason} ({merged.reason})",
-                        report_index=report_index, **base)
+                        report_index=report_index, standby=standby, **base)
 
     def _plan_layout(self, trainer: pl.Trainer, count: int, leave: tuple[int, ...]):
         strategy = trainer.strategy
@@ -386,4 +389,5 @@ class ElasticCallback(pl.Callback):
         elif decision.action == "keep":
             rank_zero_info(text + f"layout kept: {decision.reason}")
         else:
-            rank_zero_info(text + f"switching to {decision.target}: {decision.reason}")
+            pool = "" if decision.standby is None else f"; {decision.standby} standby process(es) ready to join"
+            rank_zero_info(text + f"switching to {decision.target}: {decision.reason}{pool}")

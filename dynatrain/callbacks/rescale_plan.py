@@ -37,6 +37,7 @@ class Decision:
     signal_to_decision_s: float | None = None
     agreement_s: float | None = None
     report_index: int | None = None
+    standby: int | None = None  # a scale-out: standby processes ready to be admitted when it was decided (rank 0)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"dynatrain {argv[0]}: error: {e}", file=sys.stderr)
             return 2
+    if as_program and argv and argv[0] == "join":
+        # A standby process: its start-up (torch, Lightning, its Trainer) already runs at low priority.
+        from dynatrain.elastic import priority
+
+        priority.lower(priority.launcher_amount())
     if argv and argv[0] in LIGHTNING_COMMANDS and any(a.startswith("--elastic.") for a in argv):
         from dynatrain.cli.job_launcher import ElasticLauncher, split_elastic_args
 

@@ -28,10 +28,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV, initial_member
+from dynatrain.elastic.priority import DEFAULT_STANDBY_NICE, check_amount
 from dynatrain.threads import launch_env
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
-           "host": str, "workdir": str, "restarts": int}
+           "host": str, "workdir": str, "restarts": int, "standby_nice": int}
 JOB_ARGV_KEY = "elastic/job_argv"
 
 
@@ -116,6 +117,7 @@ class ElasticLauncher:
         self.standby = opts.get("standby", 0)
         if self.standby < 0:
             raise ValueError(f"--elastic.standby must be >= 0, got {self.standby}")
+        standby_nice = check_amount(opts.get("standby_nice", DEFAULT_STANDBY_NICE), "--elastic.standby_nice")
         self.restarts = opts.get("restarts", 1)
         if self.restarts < 0:
             raise ValueError(f"--elastic.restarts must be >= 0, got {self.restarts}")
@@ -123,7 +125,7 @@ class ElasticLauncher:
         self.workdir = Path(opts.get("workdir") or "runs/.elastic")
         self.host = opts.get("host", "127.0.0.1")
         self.config = {"max_devices": self.max_devices, "join_timeout": opts.get("join_timeout", 300.0),
-                       "timeout": opts.get("timeout", 120.0)}
+                       "timeout": opts.get("timeout", 120.0), "standby_nice": standby_nice}
         # pid -> (process, "member" | "standby" | "leaving"), the rank of each process started as a member, and
         # each process's local device (`free_device`)
         self.procs: dict[int, tuple[subprocess.Popen, str]] = {}

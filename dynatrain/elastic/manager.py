@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dynatrain.elastic import priority
 from dynatrain.elastic.store import connect
 from dynatrain.elastic.world import (
     WorldChange,
@@ -72,6 +73,10 @@ class ElasticConfig:
         split_threads: after every world change in a CPU world, set this process's intra-op threads to its share
             of its host's cores (`dynatrain.threads`). None: only when a launcher of dynatrain's chose the count
             (``$DYNATRAIN_THREADS=split``, for a process started without ``OMP_NUM_THREADS``).
+        standby_nice: how much a joiner raises its niceness from registering until it is admitted, so that a
+            standby process getting ready and waiting takes only the CPU time the members leave; it gets its normal
+            priority back before it enters the world (`dynatrain.elastic.priority`). 0: joiners keep their
+            priority. Where the system would not let it lower its niceness again (RLIMIT_NICE), it is not raised.
 
     An explicit value always wins over the environment, which only carries a launcher's values to the processes it
     starts (`dynatrain.settings`); `resolved` applies that precedence.
@@ -88,8 +93,10 @@ class ElasticConfig:
     join: bool | None = None
     rejoin: bool | None = None
     split_threads: bool | None = None
+    standby_nice: int = priority.DEFAULT_STANDBY_NICE
 
     def __post_init__(self) -> None:
+        priority.check_amount(self.standby_nice, "elastic standby_nice")
         if self.max_devices is not None and self.max_devices < 1:
             raise ValueError(f"elastic max_devices must be at least 1, got {self.max_devices}")
         if self.recovery_wait is None:
@@ -203,6 +210,9 @@ class ElasticManager:
 
     def register_joiner(self, info: dict) -> str:
         """Register this process as a joiner (refused when its model or code differ from the job's)."""
+        # It gets ready and waits at low priority until admitted (`dynatrain join` has run so from its start;
+        # here the config's own value applies).
+        priority.lower(self.config.standby_nice)
         n = self.store.add("elastic/joiner_seq", 1)
         self.member_id = f"{n:06d}-{os.getpid()}"
         register(self.store, self.member_id, info)
@@ -293,20 +303,24 @@ class ElasticManager:
 
     def await_admission(self, on_wait: Callable[[float], None] | None = None) -> tuple[WorldChange, dict]:
         """A joiner: block until admitted (or dropped); return the world change and the switch payload.
-        ``on_wait(monotonic time)`` runs between polls (a joiner prepares its plan there)."""
+        ``on_wait(monotonic time)`` runs between polls (a joiner prepares its plan there). Admitted, it has its
+        normal priority back before it enters the world."""
         deadline = time.monotonic() + self.config.join_timeout
         admit = f"admit/{self.member_id}"
-        # Poll with check(): a store wait() that times out logs a warning every time.
-        while not self.store.check([admit]):
-            if self.store.check([f"elastic/dropped/{self.member_id}"]):
-                reason = self.store.get(f"elastic/dropped/{self.member_id}").decode()
-                raise TimeoutError(f"joiner {self.member_id} was dropped by the job: {reason}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"joiner {self.member_id} was not admitted within {self.config.join_timeout:.0f}s: "
-                                   "no scale-out of the job asked for it")
-            if on_wait is not None:
-                on_wait(time.monotonic())
-            time.sleep(ADMISSION_POLL)
+        try:
+            # Poll with check(): a store wait() that times out logs a warning every time.
+            while not self.store.check([admit]):
+                if self.store.check([f"elastic/dropped/{self.member_id}"]):
+                    reason = self.store.get(f"elastic/dropped/{self.member_id}").decode()
+                    raise TimeoutError(f"joiner {self.member_id} was dropped by the job: {reason}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"joiner {self.member_id} was not admitted within "
+                                       f"{self.config.join_timeout:.0f}s: no scale-out of the job asked for it")
+                if on_wait is not None:
+                    on_wait(time.monotonic())
+                time.sleep(ADMISSION_POLL)
+        finally:
+            priority.restore()
         t = await_admission(self.store, self.member_id, timeout=self.config.timeout)
         payload = json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
         return t, payload

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.control import new_control_group
+from dynatrain.elastic import priority
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
 from dynatrain.lightning_support import check_lightning_version
@@ -284,6 +285,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
             self._setup_elastic()
             if self.parallel_config is not None:  # a joiner: its layout came with the switch it joined
                 return
+        # Not a joiner after all (a `dynatrain join` whose strategy is not elastic starts a job of its own): never
+        # train at a standby's priority.
+        priority.restore()
         self.parallel_config = self._resolve_layout()
         self.positions = list(range(self.parallel_config.world_size))
         self._device_mesh = self.build_mesh(self.parallel_config)
@@ -536,6 +540,14 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
     @property
     def switch_pending(self) -> bool:
         return self._switcher is not None and self._switcher.pending is not None
+
+    def ready_standby(self) -> int | None:
+        """How many standby processes (joiners registered, ready and beating) wait outside the world, the warm pool
+        a scale-out admits from first, as rank 0 reads it from the store; None on other ranks and in a job that is
+        not elastic."""
+        if self.elastic is None or self.elastic.world is None or self.global_rank != 0:
+            return None
+        return len(self.elastic.ready_joiners())
 
     def run_pending_switch(self):
         """Run the requested switch now if it can run (at a step boundary; a scale-out needs its joiners ready);
