@@ -33,6 +33,7 @@ from dynatrain.switch.capture import local_tensor
 from dynatrain.vps.layout import StateSpec
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+DIRECT_MIN_BYTES = __import__("dynatrain.engine.wire", fromlist=["x"]).DIRECT_MIN_BYTES
 
 
 def state_specs(model, opt) -> tuple[StateSpec, ...]:
@@ -90,6 +91,8 @@ _orig_run_transition = engine_mod.run_transition
 
 
 def _captured_run_transition(plan, rank, src, **kw):
+    if "streamed" in CAPTURE:
+        kw["streamed"] = CAPTURE["streamed"]
     t0 = time.perf_counter()
     dist.barrier()  # ranks finish `build` at different times; the skew is reported, not counted as transfer
     CAPTURE["barrier_wait_s"] = time.perf_counter() - t0
@@ -128,6 +131,61 @@ def schedule_replay(plan, rank: int, repeats: int) -> list[float]:
                 w.wait()
         times.append(time.perf_counter() - t0)
     del staging
+    return times
+
+
+def copy_bound(plan, rank: int, repeats: int) -> list[float]:
+    """The copies this rank's part of ``plan`` cannot do without, alone, on tensors of the states' own local shapes
+    (allocated and touched before the clock): each strided send packed into a staging buffer, each strided receive
+    unpacked out of one, each local copy; the wire's operations split as the engine splits them. Added to the wire's
+    own time under the budget, the time of a transfer that overlaps nothing (the copy-speed bound). A state the
+    engine keeps in place (`states_kept_in_place`) costs no copy."""
+    from dynatrain.engine.transition import states_kept_in_place
+    from dynatrain.engine.wire import box_view, recv_staged, send_staged, slots, split_message
+
+    rp, old, new = plan.rank_plan(rank), plan.old, plan.new
+    kept = states_kept_in_place(plan, rank)
+    dtypes = {st.name: torch_dtype(st.dtype) for st in old.states}
+    src = {n: torch.ones(old.shards(n, rank).local_shape, dtype=dtypes[n])
+           for n in {t.state for k in range(rp.num_rounds) for m in rp.sends[k] for t in m.pieces}
+           | {t.state for k in range(rp.num_rounds) for t in rp.local_copies[k] if t.state not in kept}}
+    dst = {n: torch.zeros(new.shards(n, rank).local_shape, dtype=dtypes[n])
+           for n in {t.state for k in range(rp.num_rounds) for m in rp.recvs[k] for t in m.pieces}
+           | {t.state for k in range(rp.num_rounds) for t in rp.local_copies[k] if t.state not in kept}}
+    rounds = [([op for m in rp.sends[k] for op in split_message(m, old, new, m.dst)],
+               [op for m in rp.recvs[k] for op in split_message(m, old, new, m.src)],
+               [t for t in rp.local_copies[k] if t.state not in kept])
+              for k in range(rp.num_rounds)]
+    size = max([slots(r, slots(s_, 0, send_staged)[1], recv_staged)[1] for s_, r, _ in rounds] or [0])
+    staging = torch.ones(size, dtype=torch.uint8)
+
+    def piece(t, side):
+        layout, tensors, shard, box = ((old, src, t.src_shard, t.src_box) if side == "src"
+                                       else (new, dst, t.dst_shard, t.dst_box))
+        who = t.src if side == "src" else t.dst
+        return box_view(tensors[t.state], layout.shards(t.state, who).offsets[shard], box)
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for sends, recvs, copies in rounds:
+            offs, end = slots(sends, 0, send_staged)
+            for op, off in zip(sends, offs):
+                if send_staged(op):
+                    for t in op.pieces:
+                        view = piece(t, "src")
+                        staging[off:off + t.nbytes].view(view.dtype).view(view.shape).copy_(view)
+                        off += t.nbytes
+            offs, _ = slots(recvs, end, recv_staged)
+            for op, off in zip(recvs, offs):
+                if recv_staged(op):
+                    for t in op.pieces:
+                        out = piece(t, "dst")
+                        out.copy_(staging[off:off + t.nbytes].view(out.dtype).view(out.shape))
+                        off += t.nbytes
+            for t in copies:
+                piece(t, "dst").copy_(piece(t, "src"))
+        times.append(time.perf_counter() - t0)
     return times
 
 
@@ -193,8 +251,8 @@ def naive_switch(strategy, module, target: str, budget_mb: float) -> tuple[dict,
 
 # ---------------------------------------------------------------------------------------------- the script
 class SwitchBench(pl.Callback):
-    def __init__(self, events: list[tuple[str, float, bool]], steps_between: int, raw_repeats: int, chunk: int):
-        self.events = events  # (target, budget MiB, run the naive baseline first)
+    def __init__(self, events: list[tuple[str, float, bool, str]], steps_between: int, raw_repeats: int, chunk: int):
+        self.events = events  # (target, budget MiB, run the naive baseline first, the engine's way)
         self.steps_between = steps_between
         self.raw_repeats = raw_repeats
         self.chunk = chunk
@@ -214,9 +272,9 @@ class SwitchBench(pl.Callback):
         done = len(self.results)
         if done >= len(self.events) or step != (done + 1) * self.steps_between:
             return
-        target, budget, with_naive = self.events[done]
+        target, budget, with_naive, way = self.events[done]
         rank = strategy.global_rank
-        entry: dict = {"step": step, "budget_mb": budget}
+        entry: dict = {"step": step, "budget_mb": budget, "engine_way": way}
         digests = None
         if with_naive:
             entry["naive"], digests = naive_switch(strategy, pl_module, target, budget)
@@ -225,6 +283,14 @@ class SwitchBench(pl.Callback):
         dist.barrier()
         entry["pre_barrier_wait_s"] = time.perf_counter() - t0
         CAPTURE.clear()
+        from dynatrain.engine import wire
+
+        if way.startswith("direct="):
+            wire.DIRECT_MIN_BYTES = int(way.split("=")[1])
+        else:
+            wire.DIRECT_MIN_BYTES = DIRECT_MIN_BYTES
+            if way != "default":
+                CAPTURE["streamed"] = way == "streamed"
         report = strategy.switch(target, budget_mb=budget)
         entry["report"] = report.as_dict()
         entry["engine"] = CAPTURE["stats"]
@@ -241,6 +307,7 @@ class SwitchBench(pl.Callback):
         entry["raw_seconds"] = raw_exchange(pairs, rank, self.chunk, self.raw_repeats)
         entry["budget_raw_seconds"] = budget_exchange(pairs, rank, int(budget * MiB), self.raw_repeats)
         entry["replay_seconds"] = schedule_replay(plan, rank, self.raw_repeats)
+        entry["copy_seconds"] = copy_bound(plan, rank, self.raw_repeats)
         del plan
         gc.collect()
         self.results.append(entry)
@@ -260,13 +327,18 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--raw-repeats", type=int, default=2)
     ap.add_argument("--chunk-mb", type=float, default=64.0)
+    ap.add_argument("--engine-ways", default="default",
+                    help="streamed,batched: each switch pair once per way of posting a round, taking turns; "
+                         "direct=N: pieces of N bytes or more go on the wire in place (the default's threshold "
+                         "otherwise)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     budgets = [float(b) for b in args.budgets.split(",")]
     events = []
     for b in budgets:
-        naive = b == args.naive_budget
-        events += [(args.target, b, naive), (args.source, b, naive)]
+        for i, way in enumerate(args.engine_ways.split(",")):
+            naive = b == args.naive_budget and i == 0
+            events += [(args.target, b, naive, way), (args.source, b, naive, way)]
     pl.seed_everything(1234, verbose=False)
     dp0 = ParallelConfig.parse(args.source).dp_size
     strategy = dynatrain.DynaTrainStrategy(parallel=args.source, switch_budget_mb=budgets[0], verify_switches=False)

@@ -16,6 +16,10 @@ after it (world_size > 0) of the stall and of each phase, so stall/transfer is m
 fixed cost is max stall - max transfer. Ranks that leave in a scale-in are recorded apart (``leavers``); joiners
 hold no report of the switch that admits them (their side is not in these figures). Rank 0's own figures (what
 ``switches.jsonl`` and `make demo`'s table show) are kept beside them. Verification is on (the recipe's default).
+A rank's stall starts when every rank has ended the step: the time it waited at the boundary for the slowest one
+(the step's own skew, which the next step's first collective would absorb without a switch) is the report's
+``boundary_wait_s``, shown apart. Forming a world (``world``) and a mesh's groups (``mesh``) are phases of their own,
+not part of ``transfer``, which is the engine's alone.
 
     .venv/bin/python bench/stall.py --model debug --cycles 5 --runs 1
 """
@@ -36,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DYNATRAIN = str(Path(sys.executable).with_name("dynatrain"))
-PHASES = ("plan", "verify", "release", "build", "transfer", "adopt")
+PHASES = ("plan", "verify", "release", "world", "mesh", "build", "transfer", "adopt")
 WAYS = ("same-world", "scale-in", "scale-out-pool", "scale-out-cold")
 
 RECIPE = """\
@@ -190,6 +194,8 @@ def summarise_switches(mode: str, records: list[dict]) -> list[dict]:
             "way": way_of(mode, rs[0]["old_world_size"], members[0]["world_size"]),
             "ranks_reporting": len(members), "leavers_reporting": len(leavers),
             "stall_s": stall, "phases_max_s": phase_max,
+            # the step's skew at the boundary, which the agreement absorbs and the stall leaves out
+            "boundary_wait_max_s": max(r.get("boundary_wait_s", 0.0) for r in members),
             "stall_over_transfer": stall / phase_max["transfer"] if phase_max["transfer"] else None,
             "fixed_s": stall - phase_max["transfer"],
             "bytes_moved_max": max(r["bytes_moved"] for r in members),
@@ -218,6 +224,7 @@ def summarise(runs: list[dict]) -> dict:
                     "transfer_s": stats([s["phases_max_s"]["transfer"] for s in sw]),
                     "stall_over_transfer": stats([s["stall_over_transfer"] for s in sw]),
                     "fixed_s": stats([s["fixed_s"] for s in sw]),
+                    "boundary_wait_s": stats([s.get("boundary_wait_max_s") for s in sw]),
                     "phases_s": {p: stats([s["phases_max_s"][p] for s in sw]) for p in PHASES},
                     "rank0_fixed_s": stats([s["rank0"]["stall_s"] - s["rank0"]["phases"].get("transfer", 0.0)
                                             for s in sw if s["rank0"]]),
@@ -226,13 +233,15 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def table(summary: dict) -> str:
-    head = ["way", "n", "stall s", "transfer s", "stall/transfer", "stall-transfer s", *[f"{p} s" for p in PHASES]]
+    head = ["way", "n", "stall s", "transfer s", "stall/transfer", "stall-transfer s", *[f"{p} s" for p in PHASES],
+            "boundary wait s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for way, s in summary.items():
         def f(d):
             return f"{d['median']:.3f} ({d['min']:.3f}-{d['max']:.3f})" if d.get("n") else "-"
         cells = [way, str(s["repeats"]), f(s["stall_s"]), f(s["transfer_s"]), f(s["stall_over_transfer"]),
-                 f(s["fixed_s"]), *[f"{s['phases_s'][p]['median']:.3f}" for p in PHASES]]
+                 f(s["fixed_s"]), *[f"{s['phases_s'][p]['median']:.3f}" for p in PHASES],
+                 f"{s['boundary_wait_s']['median']:.3f}" if s["boundary_wait_s"].get("n") else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -52,6 +52,11 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monke
     assert [r["new_layout"] for r in first["reports"]] == ["dp_shard=2", "dp_shard=3", "dp_shard=2,tp=2"]
     assert [r["world_size"] for r in first["reports"]] == [2, 3, 4]
     assert all(r["verified"] for p in members[:2] + joiners for r in p["reports"])
+    # Forming a world and a mesh's groups are phases of their own beside the engine's transfer; the wait at the
+    # boundary for the slowest rank's step is kept apart from the stall.
+    for r in first["reports"]:
+        assert {"plan", "world", "mesh", "build", "transfer", "adopt"} <= set(r["phases"]), r["phases"]
+        assert r["boundary_wait_s"] >= 0 and r["stall_s"] == pytest.approx(sum(r["phases"].values()))
     # The scale-in planned ahead and the last scale-out ran from plans prepared while the members trained on.
     assert [r["prepared"] for r in first["reports"]][::2] == [True, True]
     assert all(m["reports"][0]["prepared"] for m in members[2:]), "the leavers sent from the prepared plan too"

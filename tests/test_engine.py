@@ -127,6 +127,13 @@ def test_the_copies_run_with_fewer_threads_and_the_count_comes_back(monkeypatch)
         torch.set_num_threads(before)
 
 
+def test_a_streamed_round_is_refused_on_cuda_where_nccl_needs_a_group():
+    plan = _one_process_plan()
+    src = {s.name: fill_local(plan.old, s.name, 0, seed=5) for s in plan.old.states}
+    with pytest.raises(ValueError, match="NCCL"):
+        run_transition(plan, 0, src, device="cuda", streamed=True)
+
+
 def test_errors_name_the_bad_source():
     plan = _one_process_plan()
     good = {s.name: fill_local(plan.old, s.name, 0, seed=5) for s in plan.old.states}
@@ -176,13 +183,16 @@ def test_the_phases_count_as_kept_exactly_the_states_the_engine_keeps(model, old
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nprocs,cases,direct_min,ahead", [(2, 6, None, False), (3, 6, None, False), (4, 6, None, True),
-                                                           (2, 6, 1, False), (3, 6, 1, False)],
-                         ids=["2", "3", "4-joiners-ahead", "2-in-place", "3-in-place"])
-def test_engine_random_switches(tmp_path, nprocs, cases, direct_min, ahead):
+@pytest.mark.parametrize("nprocs,cases,direct_min,ahead,streamed", [
+    (2, 6, None, False, False), (3, 6, None, False, False), (4, 6, None, True, False), (2, 6, 1, False, False),
+    (3, 6, 1, False, False), (3, 6, 1, False, True)],
+    ids=["2", "3", "4-joiners-ahead", "2-in-place", "3-in-place", "3-in-place-streamed"])
+def test_engine_random_switches(tmp_path, nprocs, cases, direct_min, ahead, streamed):
     """With ``direct_min`` 1 every piece that is contiguous on one side is sent or received in place there. With
-    ``ahead`` a process that holds no sources receives into destinations it allocated before the transfer."""
+    ``ahead`` a process that holds no sources receives into destinations it allocated before the transfer. With
+    ``streamed`` each send is posted as soon as it is packed and each receive unpacked as soon as it arrives."""
     extra = ([] if direct_min is None else ["--direct-min", str(direct_min)]) + (["--joiners-ahead"] if ahead else [])
+    extra += ["--streamed"] if streamed else []
     out = launch("engine_worker.py", nprocs, ["--cases", str(cases), "--seed", "1", *extra], tmp_path, timeout=100)
     multi_round = 0
     moved = 0

@@ -8,9 +8,12 @@ The output is the local tensors of the new layout. Per round ``k``::
         local tensor on either side travels alone and in place on that side; the others share a packed one
     pack the strided sends into their slots of the staging buffer
     free the source tensors whose last use was that packing (those the wire reads in place: after the wait)
-    post all sends and receives of round k at once (one batch_isend_irecv)
+    post all sends and receives of round k at once (one batch_isend_irecv: NCCL needs a round as one group)
     run the local copies of round k meanwhile (allocate a destination on first use, free a source on last)
     wait, then unpack the staged receives into their destinations
+
+On gloo a round may instead be streamed (``streamed=True``): every receive posted first, each send posted as soon
+as it is packed, each receive unpacked as soon as it has arrived.
 
 The staging buffer is allocated once, sized by the largest round's staged operations (each slot 16-byte
 aligned), and reused. A message's pieces are packed back to back in the plan's
@@ -72,6 +75,7 @@ def run_transition(
     keep_in_place: bool = True,
     preallocated: Mapping[str, torch.Tensor] | None = None,
     copy_threads: int | None = None,
+    streamed: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], TransitionStats]:
     """Run process ``rank``'s part of ``plan`` and return (its new local tensors, stats).
 
@@ -90,6 +94,9 @@ def run_transition(
     memory bound is the caller's to keep. Each must have the new local shape, the dtype and the device.
     ``copy_threads``: intra-op threads for the copies on CPU during the transfer (default
     `copy_threads.default_copy_threads`); ignored on other devices.
+    ``streamed``: each send posted as soon as it is packed and each receive unpacked as soon as it arrives, for gloo
+    (NCCL needs a round as one group); default off: on 2 shared cores it was no faster (the transport's thread and
+    the packing compete for the same cores: `bench/switch.py --engine-ways streamed,batched`, docs/benchmarks.md).
 
     Every process of ``plan.processes`` must call this with the same plan; a process with nothing to move
     still returns (it posts nothing). Returns destinations for every state of the new layout this process
@@ -98,6 +105,11 @@ def run_transition(
     t_start = time.perf_counter()
     validate_sources(plan, rank, src)
     run = _RankTransition(plan, rank, src, group, group_ranks, device)
+    if streamed:
+        if run.cuda:
+            raise ValueError("streamed=True posts sends and receives one by one, which NCCL can deadlock on; "
+                             "leave it off on CUDA")
+        run.streamed = True
     if keep_in_place:
         run.keep_in_place()
     run.adopt_preallocated(preallocated or {})
@@ -121,6 +133,29 @@ def allocate_destinations(plan: SwitchPlan, rank: int, device: torch.device | st
     return out
 
 
+def states_kept_in_place(plan: SwitchPlan, rank: int) -> set[str]:
+    """The states whose new local tensor on process ``rank`` is its old one: the same shape, and every element it
+    holds a local copy onto the same local coordinates (nothing received). The engine adopts those sources as
+    their destinations instead of copying them."""
+    rp = plan.rank_plan(rank)
+    received = {t.state for ms in rp.recvs for m in ms for t in m.pieces}
+    copies: dict[str, list[Transfer]] = {}
+    for ts in rp.local_copies:
+        for t in ts:
+            copies.setdefault(t.state, []).append(t)
+    out = set()
+    for name, ts in copies.items():
+        if name in received:
+            continue
+        s_sh, d_sh = plan.old.shards(name, rank), plan.new.shards(name, rank)
+        if tuple(s_sh.local_shape) != tuple(d_sh.local_shape):
+            continue
+        if all(local_box(s_sh.offsets[t.src_shard], t.src_box) == local_box(d_sh.offsets[t.dst_shard], t.dst_box)
+               for t in ts) and sum(t.dst_box.numel for t in ts) == math.prod(s_sh.local_shape):
+            out.add(name)
+    return out
+
+
 class _RankTransition:
     """One rank's run of a plan: its sources and destinations, the uses left per source, the staging buffer and
     the live-byte count, advanced one round at a time."""
@@ -134,6 +169,7 @@ class _RankTransition:
             device = device or torch.device("cpu")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.streamed = False
         self.peer_of = _resolve_peers(group_ranks)
         self.src_shards = {name: plan.old.shards(name, rank) for name in expected_sources(plan, rank)}
         self.dst_spec = expected_destinations(plan, rank)
@@ -176,30 +212,18 @@ class _RankTransition:
         stats.flight_bytes = max(self.plan.budget_bytes - self.plan.staging_budget_bytes, largest)
 
     def keep_in_place(self) -> None:
-        """Adopt a source as its destination when the new local tensor is the old one (same shape, every element
-        it needs is a local copy onto the same local coordinates). Sends may still read it: adopting changes no
-        byte."""
-        rp, src = self.rp, self.src
-        recv_states = {t.state for ms in rp.recvs for m in ms for t in m.pieces}
-        copies_by_state: dict[str, list[Transfer]] = {}
-        for ts in rp.local_copies:
+        """Adopt a source as its destination where `states_kept_in_place` allows. Sends may still read it: adopting
+        changes no byte."""
+        copies = {t.state: 0 for ts in self.rp.local_copies for t in ts}
+        for ts in self.rp.local_copies:
             for t in ts:
-                copies_by_state.setdefault(t.state, []).append(t)
-        for name, ts in copies_by_state.items():
-            if name in recv_states or name not in src or name not in self.dst_shards:
-                continue
-            s_sh, d_sh = self.src_shards[name], self.dst_shards[name]
-            if tuple(s_sh.local_shape) != tuple(d_sh.local_shape):
-                continue
-            same = all(
-                local_box(s_sh.offsets[t.src_shard], t.src_box) == local_box(d_sh.offsets[t.dst_shard], t.dst_box)
-                for t in ts
-            )
-            if same and sum(t.dst_box.numel for t in ts) == src[name].numel():
-                self.dst[name] = src[name]  # the same bytes, from now on counted as a destination
+                copies[t.state] += 1
+        for name in states_kept_in_place(self.plan, self.rank):
+            if name in self.src:
+                self.dst[name] = self.src[name]  # the same bytes, from now on counted as a destination
                 self.kept.add(name)
-                self.uses[name] -= len(ts)
-                self.stats.bytes_kept += sum(t.nbytes for t in ts)
+                self.uses[name] -= copies[name]
+                self.stats.bytes_kept += self.src[name].numel() * self.src[name].element_size()
 
     def adopt_preallocated(self, ready: Mapping[str, torch.Tensor]) -> None:
         """Take the caller's empty destinations (those not adopted in place from a source): live from now on."""
@@ -247,13 +271,25 @@ class _RankTransition:
 
     # ---- one round ------------------------------------------------------------------------------------------
     def run_round(self, k: int) -> None:
-        """Pack, post every send and receive at once, copy locally while the wire is busy, wait, unpack."""
+        if self.streamed:
+            self._run_round_streamed(k)
+        else:
+            self._run_round_batched(k)
+
+    def _run_round_batched(self, k: int) -> None:
+        """Pack, post every send and receive at once, copy locally while the wire is busy, wait, unpack. NCCL needs
+        the round as one group: its point-to-point kernels of one pair share a stream, so a send posted alone
+        waits for the peer's receive, which may be queued behind that peer's own send."""
         stats = self.stats
         sends, recvs = self.wire[k]
         send_offs, end = slots(sends, 0, send_staged)
         recv_offs, _ = slots(recvs, end, recv_staged)
         t0 = time.perf_counter()
-        buffers, on_wire = self._pack(sends, send_offs)
+        on_wire: set[str] = set()
+        exhausted: list[str] = []
+        buffers = [self._pack_op(op, off, on_wire, exhausted) for op, off in zip(sends, send_offs)]
+        self._sync()  # the copies out of the exhausted sources are done before their memory is handed back
+        self._free_packed(exhausted, on_wire)
         t1 = time.perf_counter()
         stats.seconds_pack += t1 - t0
         ops, works = self._post(sends, buffers, recvs, recv_offs)
@@ -267,61 +303,114 @@ class _RankTransition:
         t4 = time.perf_counter()
         stats.seconds_wire += (t2 - t1) + (t4 - t3)
         del ops, works, buffers
-        for name in on_wire:
-            if self.uses[name] == 0:
-                self._free_source(name)
-        self._unpack(recvs, recv_offs)
+        self._free_exhausted(on_wire)
+        for op, off in zip(recvs, recv_offs):
+            self._unpack_op(op, off)
         stats.seconds_unpack += time.perf_counter() - t4
-        stats.messages_sent += len(self.rp.sends[k])
-        stats.messages_received += len(self.rp.recvs[k])
+        self._count_messages(k)
 
-    def _pack(self, sends: list[WireOp], offs: list[int]) -> tuple[list[torch.Tensor], set[str]]:
-        """The send buffers: what is strided on this side packed into the staging buffer, the rest the source
-        tensor itself. Returns them and the sources the wire reads in place (freed only after the wait)."""
-        src, staging, stats = self.src, self.staging, self.stats
-        exhausted: list[str] = []
+    def _run_round_streamed(self, k: int) -> None:
+        """The round with the copies beside the wire (gloo, whose transport thread writes and reads the sockets):
+        every receive posted first; each send posted as soon as it is packed, so the next one is packed while it
+        travels; the local copies; each receive unpacked as soon as it has arrived, in the plan's order, while
+        the later ones are still arriving. Per pair, sends and receives keep the plan's order on both sides."""
+        stats = self.stats
+        sends, recvs = self.wire[k]
+        send_offs, end = slots(sends, 0, send_staged)
+        recv_offs, _ = slots(recvs, end, recv_staged)
+        group, peer_of = self.group, self.peer_of
+        t0 = time.perf_counter()
+        receiving = [dist.irecv(self._recv_buffer(op, off), group=group, group_src=peer_of(op.peer))
+                     for op, off in zip(recvs, recv_offs)]
+        packing = 0.0
         on_wire: set[str] = set()
-        buffers = []
-        for op, off in zip(sends, offs):
-            if op.src_direct:
-                [t] = op.pieces
-                view = box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
-                buffers.append(in_place(self.rank, view))
-                on_wire.add(t.state)
-            else:
-                pos = off
-                for t in op.pieces:
-                    view = box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
-                    staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(view.shape).copy_(view)
-                    pos += t.nbytes
-                    del view
-                buffers.append(staging[off:off + op.nbytes])
+        sending, buffers = [], []
+        for op, off in zip(sends, send_offs):
+            t = time.perf_counter()
+            exhausted: list[str] = []
+            buffer = self._pack_op(op, off, on_wire, exhausted)
+            self._free_packed(exhausted, on_wire)
+            packing += time.perf_counter() - t
+            sending.append(dist.isend(buffer, group=group, group_dst=peer_of(op.peer)))
+            buffers.append(buffer)
+        t1 = time.perf_counter()
+        self._copy_local(k, on_wire)
+        t2 = time.perf_counter()
+        unpacking = 0.0
+        for op, off, work in zip(recvs, recv_offs, receiving):
+            work.wait()
+            t = time.perf_counter()
+            self._unpack_op(op, off)
+            unpacking += time.perf_counter() - t
+        for work in sending:
+            work.wait()
+        t3 = time.perf_counter()
+        del sending, receiving, buffers
+        self._free_exhausted(on_wire)
+        stats.seconds_pack += packing
+        stats.seconds_local += t2 - t1
+        stats.seconds_unpack += unpacking
+        stats.seconds_wire += (t1 - t0 - packing) + (t3 - t2 - unpacking)
+        self._count_messages(k)
+
+    def _count_messages(self, k: int) -> None:
+        self.stats.messages_sent += len(self.rp.sends[k])
+        self.stats.messages_received += len(self.rp.recvs[k])
+
+    def _pack_op(self, op: WireOp, off: int, on_wire: set[str], exhausted: list[str]) -> torch.Tensor:
+        """The send buffer of ``op``: what is strided on this side packed into its slot of the staging buffer, else
+        the source tensor itself (added to ``on_wire``: freed only after the wait). The sources whose last use this
+        was go to ``exhausted``."""
+        src, stats = self.src, self.stats
+        if op.src_direct:
+            [t] = op.pieces
+            buffer = in_place(self.rank, box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard],
+                                                  t.src_box))
+            on_wire.add(t.state)
+        else:
+            pos = off
             for t in op.pieces:
-                self.uses[t.state] -= 1
-                if self.uses[t.state] == 0:
-                    exhausted.append(t.state)
-            stats.bytes_sent += op.nbytes
-            stats.bytes_zero_copy += op.nbytes if op.src_direct else 0
-        self._sync()
+                view = box_view(src[t.state], self.src_shards[t.state].offsets[t.src_shard], t.src_box)
+                self.staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(view.shape).copy_(view)
+                pos += t.nbytes
+                del view
+            buffer = self.staging[off:off + op.nbytes]
+        stats.bytes_sent += op.nbytes
+        stats.bytes_zero_copy += op.nbytes if op.src_direct else 0
+        for t in op.pieces:
+            self.uses[t.state] -= 1
+            if self.uses[t.state] == 0:
+                exhausted.append(t.state)
+        return buffer
+
+    def _free_packed(self, exhausted: list[str], on_wire: set[str]) -> None:
+        """Free the exhausted sources that were packed (those the wire reads in place wait for it)."""
         for name in exhausted:
             if name not in on_wire:
                 self._free_source(name)
-        return buffers, on_wire
+
+    def _free_exhausted(self, on_wire: set[str]) -> None:
+        """Free the sources the wire read in place whose last use has gone out."""
+        for name in on_wire:
+            if self.uses[name] == 0:
+                self._free_source(name)
+
+    def _recv_buffer(self, op: WireOp, off: int) -> torch.Tensor:
+        """Where ``op``'s bytes arrive: its destination view when it is one contiguous run there, else its slot."""
+        if op.dst_direct:
+            [t] = op.pieces
+            self.stats.bytes_zero_copy += op.nbytes
+            return in_place(self.rank, box_view(self._get_dst(t.state), self.dst_shards[t.state].offsets[t.dst_shard],
+                                                t.dst_box))
+        return self.staging[off:off + op.nbytes]
 
     def _post(self, sends: list[WireOp], buffers: list[torch.Tensor], recvs: list[WireOp], offs: list[int]):
         """Post the round's sends and receives in one batch; returns the operations (held until the wait) and
         their works."""
         group, peer_of = self.group, self.peer_of
         ops = [dist.P2POp(dist.isend, b, group=group, group_peer=peer_of(op.peer)) for op, b in zip(sends, buffers)]
-        for op, off in zip(recvs, offs):
-            if op.dst_direct:
-                [t] = op.pieces
-                b = in_place(self.rank, box_view(self._get_dst(t.state),
-                                                 self.dst_shards[t.state].offsets[t.dst_shard], t.dst_box))
-                self.stats.bytes_zero_copy += op.nbytes
-            else:
-                b = self.staging[off:off + op.nbytes]
-            ops.append(dist.P2POp(dist.irecv, b, group=group, group_peer=peer_of(op.peer)))
+        ops += [dist.P2POp(dist.irecv, self._recv_buffer(op, off), group=group, group_peer=peer_of(op.peer))
+                for op, off in zip(recvs, offs)]
         works = dist.batch_isend_irecv(ops) if ops else []
         return ops, works
 
@@ -338,20 +427,18 @@ class _RankTransition:
                 self._free_source(t.state)
         self._sync()
 
-    def _unpack(self, recvs: list[WireOp], offs: list[int]) -> None:
-        """Copy what arrived in the staging buffer into its destinations."""
-        staging = self.staging
-        for op, off in zip(recvs, offs):
-            if not op.dst_direct:
-                pos = off
-                for t in op.pieces:
-                    d_sh = self.dst_shards[t.state]
-                    out = box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
-                    out.copy_(staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(out.shape))
-                    pos += t.nbytes
-                    del out
-            self.stats.bytes_received += op.nbytes
-        self._sync()
+    def _unpack_op(self, op: WireOp, off: int) -> None:
+        """Copy what arrived in ``op``'s slot of the staging buffer into its destinations."""
+        if not op.dst_direct:
+            pos = off
+            for t in op.pieces:
+                d_sh = self.dst_shards[t.state]
+                out = box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
+                out.copy_(self.staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(out.shape))
+                pos += t.nbytes
+                del out
+            self._sync()
+        self.stats.bytes_received += op.nbytes
 
     # ---- the end --------------------------------------------------------------------------------------------
     def finish(self, t_start: float) -> tuple[dict[str, torch.Tensor], TransitionStats]:

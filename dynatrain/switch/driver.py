@@ -33,7 +33,7 @@ from dynatrain.memory import release_freed_memory, resident_bytes
 from dynatrain.switch import verify
 from dynatrain.switch.adopt import adopt_module, adopt_optimizer
 from dynatrain.switch.context import SwitchContext
-from dynatrain.switch.moves import Build, Move, Planned
+from dynatrain.switch.moves import SAME_WORLD, Build, Move, Planned
 from dynatrain.switch.report import DEVICE_FIELDS, PhaseTimer, SwitchReport
 from dynatrain.switch.states import hold, release
 from dynatrain.switch.target import transplant
@@ -71,6 +71,8 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
 
     # capture: the live states, agreed across ranks
     held = hold(ctx, agree=move.agree) if move.sends else None
+    if held is not None:
+        timer.set_aside("boundary_wait", held.waited)
     names: list[str] = []
     if held is not None and move.broken_world:
         # Nothing may reference the broken groups while the survivors agree: a peer blocked in a collective with
@@ -92,7 +94,7 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     # prepare target: on the target's mesh, which exists now for the same processes
     built: list[tuple[Any, nn.Module | None]] = []
     if planned.build is Build.BEFORE_RELEASE:
-        built.append(_build(ctx, planned))
+        built.append(_build(ctx, planned, timer))
         timer.lap("build")
 
     # release: the old shards go to the engine, which frees each after its last send
@@ -115,20 +117,22 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     moved: list[Moved] = []
 
     def transfer(world) -> None:
+        if world is not None:
+            timer.lap("world")  # forming the world the bytes travel on
         if planned.build is Build.ON_TARGET_WORLD:
-            timer.lap("transfer")
             move.enter(ctx, world, planned)
-            built.append(_build(ctx, planned))
+            built.append(_build(ctx, planned, timer))
             timer.lap("build")
         dst, stats = engine.run_transition(  # looked up at call time: fault injection and benchmarks replace it
             planned.plan, planned.me, sources, group_ranks=move.group_ranks(world, planned), device=ctx.device,
             preallocated=move.preallocated(planned))
         moved.append(Moved(world, dst, stats))
+        timer.lap("transfer")
 
     deferred = planned.build is Build.BY_LIGHTNING and move.transfer_after_setup
     world = move.reach(ctx, planned, None if deferred else transfer)
-    if planned.build is not Build.BY_LIGHTNING:
-        timer.lap("transfer")
+    if world is not SAME_WORLD and planned.build is not Build.BY_LIGHTNING:
+        timer.lap("world")  # forming the target world after a transfer on the union, or leaving the job
     if world is None:  # this process left the job
         ctx.leave_job()
         placeholder = ctx.placeholder()
@@ -139,7 +143,7 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     # build: the target world exists now
     if planned.build is Build.AFTER_TRANSFER:
         move.enter(ctx, world, planned)
-        built.append(_build(ctx, planned))
+        built.append(_build(ctx, planned, timer))
         timer.lap("build")
     elif planned.build is Build.BY_LIGHTNING:
         move.enter(ctx, world, planned)
@@ -174,9 +178,10 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     return _report(ctx, move, planned, result.stats, verified, timer, heap_trimmed=trimmed)
 
 
-def _build(ctx: SwitchContext, planned: Planned) -> tuple[Any, nn.Module]:
-    """(the target's mesh, the module parallelised on it, on meta)."""
+def _build(ctx: SwitchContext, planned: Planned, timer: PhaseTimer) -> tuple[Any, nn.Module]:
+    """(the target's mesh, the module parallelised on it, on meta); the mesh's groups are their own phase."""
     mesh = ctx.build_mesh(planned.target, ranks=planned.target_ranks)
+    timer.lap("mesh")
     if planned.probe is not None and list(planned.target_ranks) == list(range(planned.target.world_size)):
         return mesh, planned.probe  # the request built it on this very mesh
     return mesh, ctx.build_target(mesh, planned.target)
@@ -192,6 +197,7 @@ def _report(ctx: SwitchContext, move: Move, planned: Planned, stats: TransitionS
         rounds=plan.num_rounds, rank_map=[] if left else list(planned.target_ranks), peak_bytes=stats.peak_bytes,
         peak_bound=stats.peak_bound, verified=verified, phases=timer.phases, old_world_size=old.world_size,
         prepared=planned.prepared, heap_trimmed=heap_trimmed,
+        boundary_wait_s=timer.aside.get("boundary_wait", 0.0),
         **{k: getattr(stats, k) for k in DEVICE_FIELDS},
     )
     move.report(ctx, report)

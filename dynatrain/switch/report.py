@@ -43,6 +43,9 @@ class SwitchReport:
     device_peak_reserved: int | None = None
     device_reserved_bound: int | None = None
     cache_releases: int | None = None
+    # Seconds this rank waited at the step boundary for the slowest rank to end its step (in the agreement on the
+    # states): the skew the next step's first collective absorbs without a switch, so not part of the stall.
+    boundary_wait_s: float = 0.0
 
     @property
     def verify_share(self) -> float | None:
@@ -63,12 +66,18 @@ class SwitchReport:
 class PhaseTimer:
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
+        self.aside: dict[str, float] = {}
         self._t = time.perf_counter()
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.phases[name] = self.phases.get(name, 0.0) + now - self._t
         self._t = now
+
+    def set_aside(self, name: str, seconds: float) -> None:
+        """``seconds`` just spent, kept out of the next lap and recorded under ``name`` apart from the phases."""
+        self.aside[name] = self.aside.get(name, 0.0) + seconds
+        self._t += seconds
 
 
 @dataclass

@@ -3,6 +3,7 @@ survives besides the routed shards (`Kept`), and the release of the old shards t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class Held:
     optimizer: torch.optim.Optimizer | None
     captured: Captured
     kept: Kept
+    waited: float = 0.0  # seconds in the agreement: mostly waiting for the slowest rank to end its step
 
 
 def capture_states(ctx: SwitchContext) -> Captured:
@@ -63,9 +65,12 @@ def hold(ctx: SwitchContext, agree: bool = True) -> Held:
     else:
         check_switchable(module, ctx.optimizers())
     captured = capture_states(ctx)
+    waited = 0.0
     if agree and ctx.world_size > 1:
+        start = time.perf_counter()
         _agree_on(ctx, captured)
-    return Held(module, optimizer, captured, keep(ctx, captured, module, optimizer))
+        waited = time.perf_counter() - start
+    return Held(module, optimizer, captured, keep(ctx, captured, module, optimizer), waited)
 
 
 def _agree_on(ctx: SwitchContext, captured: Captured) -> None:

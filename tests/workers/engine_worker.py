@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--direct-min", type=int, default=None, help="smallest piece sent or received in place")
+    ap.add_argument("--streamed", action="store_true", help="each send posted as soon as it is packed")
     ap.add_argument("--joiners-ahead", action="store_true",
                     help="a process without sources allocates its destinations before the transfer")
     args = ap.parse_args()
@@ -132,7 +133,8 @@ def main() -> None:
                    if plan.old.position_of(pid) is not None}
             ready = allocate_destinations(plan, pid) if args.joiners_ahead and not src else {}
             ptrs = {name: t.data_ptr() for name, t in ready.items()}
-            dst, stats = run_transition(plan, pid, src, group_ranks=rank_of_pid, preallocated=ready)
+            dst, stats = run_transition(plan, pid, src, group_ranks=rank_of_pid, preallocated=ready,
+                                        streamed=args.streamed)
             assert not src, "the engine must consume every source"
             res["ahead"] = len(ptrs)
             res["received_in_place_ahead"] = all(dst[name].data_ptr() == ptr for name, ptr in ptrs.items())
