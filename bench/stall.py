@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DYNATRAIN = str(Path(sys.executable).with_name("dynatrain"))
-PHASES = ("plan", "verify", "release", "world", "mesh", "build", "transfer", "adopt")
+PHASES = ("plan", "verify", "release", "world", "mesh", "build", "transfer", "adopt", "restart")
 WAYS = ("same-world", "scale-in", "scale-out-pool", "scale-out-cold")
 
 RECIPE = """\

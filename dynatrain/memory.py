@@ -158,8 +158,13 @@ _footprint: list[int] = []  # the largest footprint known: RSS at a switch's sta
 
 
 def release_freed_memory(before: int | None = None) -> bool:
-    """Collect the old model's cycles and, when the switch left the process larger than any footprint it had, give
-    the heap back to the OS. ``before``: RSS when the switch started (`resident_bytes`).
+    """Collect what the switch left in cycles and, when the switch left the process larger than any footprint it
+    had, give the heap back to the OS. ``before``: RSS when the switch started (`resident_bytes`).
+
+    The old model's cycles went at the release, in a full collection (the engine could not free a shard the module
+    graph still held); what became garbage since is young, so the two younger generations are collected here
+    instead of walking every object the process holds a second time (a full collection costs 20 to 100 ms of the
+    stall on 2 cores; an old object that still escapes goes at the next full collection).
 
     glibc keeps freed memory, and over hundreds of switches the fragments of old shards make RSS creep up.
     Trimming bounds that, but it also returns the memory a step works in, which the heap keeps mapped between
@@ -168,7 +173,7 @@ def release_freed_memory(before: int | None = None) -> bool:
     leaves, that working memory included. So the heap is trimmed only when RSS after the switch exceeds the
     largest footprint known by ``TRIM_SLACK``: RSS stays within that of the largest layout's footprint, and first
     steps find their memory in place. Returns whether it trimmed."""
-    gc.collect()
+    gc.collect(1)
     if _malloc_trim is None:
         return False
     if before is not None:

@@ -175,6 +175,7 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
         yield Await.LOOP
     ctx.restart_steps(planned.target)
     trimmed = release_freed_memory(footprint)
+    timer.lap("restart")
     return _report(ctx, move, planned, result.stats, verified, timer, heap_trimmed=trimmed)
 
 
