@@ -13,11 +13,13 @@ ways (`bench/_lost_time_worker.py`):
 * **online**: one elastic dynatrain job; at the decision it requests the switch with ``plan_ahead=True`` (a
   scale-out goes on training on the old world until its new processes are ready, a scale-in for one more step while
   its plan is made in the background).
+* **online-pool**: the same job, but the processes a scale-out adds start with it and wait as its warm standby pool
+  (`docs/elastic.md`): a scale-out admits processes that are ready, the way to scale out the docs give.
 
 **Lost time** of the change decided at the end of step k:
 ``T(end of step k+m) - T0 - m * median step of the new world`` with ``T0`` the earlier of the end of step k and the
 start of any new process (for a scale-out the parent starts the new processes the moment rank 0 signals the
-decision, both ways, so their start-up and its CPU count), and the median taken over the ``--steady`` steps after
+decision, both ways, so their start-up and its CPU count; a pool's processes were there before it), and the median taken over the ``--steady`` steps after
 k+m, same trial. Marks are ``time.time()`` written by every process on one machine clock; a step's end is its
 latest process's. The **first step** after a change is its first new-world step from its latest first micro-batch to
 its latest end, divided by the median of the same span over the steady steps.
@@ -49,7 +51,7 @@ from dynatrain.memory import HEAP_ENV
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")
 CHAIN = [("dp_shard=4", 4), ("dp_shard=2", 2), ("dp_shard=4", 4)]
-WAYS = ("cold", "warm", "online")
+WAYS = ("cold", "warm", "online", "online-pool")
 
 
 # ---------------------------------------------------------------------------------------------- the schedule
@@ -103,7 +105,9 @@ def run_warm(args, tmp: Path) -> dict:
     return {"ranks": ranks, "spawned": dict(spawner.spawned)}
 
 
-def run_online(args, tmp: Path) -> dict:
+def run_online(args, tmp: Path, pool: bool = False) -> dict:
+    """``pool``: the processes a scale-out adds start with the job and wait as its warm standby pool (niced, as
+    `dynatrain fit --elastic.standby` starts them), instead of at the decision."""
     token = secrets.token_hex(8)
     store = start_store(token, tmp, host="127.0.0.1")
     env = {**ENV, "DYNATRAIN_ENDPOINT": store.endpoint, "DYNATRAIN_TOKEN": token}
@@ -111,7 +115,10 @@ def run_online(args, tmp: Path) -> dict:
     for i in scale_outs():
         joiner = base_argv(args, "online", tmp, i + 1)
         added = CHAIN[i + 1][1] - CHAIN[i][1]
-        spawner.when(tmp / f"decided-{i}", i, [(joiner, joiner_env(env, CHAIN[i + 1][1]))] * added)
+        signal = tmp / "pool" if pool else tmp / f"decided-{i}"
+        spawner.when(signal, i, [(joiner, joiner_env(env, CHAIN[i + 1][1]))] * added)
+    if pool:
+        (tmp / "pool").touch()
     try:
         ranks = launch_local(base_argv(args, "online", tmp), CHAIN[0][1], tmp, timeout=args.timeout, env=env,
                              name="online", **forked(args))
@@ -122,7 +129,8 @@ def run_online(args, tmp: Path) -> dict:
     return {"ranks": ranks, "spawned": dict(spawner.spawned)}
 
 
-RUNNERS = {"cold": run_cold, "warm": run_warm, "online": run_online}
+RUNNERS = {"cold": run_cold, "warm": run_warm, "online": run_online,
+           "online-pool": lambda args, tmp: run_online(args, tmp, pool=True)}
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -145,7 +153,7 @@ def last_old_steps(way: str, ranks: list[dict], args) -> list[tuple[int, int]]:
     out, k = [], args.warmup
     online = sorted({rep["step"] for r in ranks for rep in r.get("reports", [])})
     for i in range(len(CHAIN) - 1):
-        last = online[i] if way == "online" else k
+        last = online[i] if way.startswith("online") else k
         out.append((k, last))
         k = last + args.m + args.steady
     return out
@@ -159,7 +167,9 @@ def measure(way: str, trial: dict, args) -> list[dict]:
         step_s = [ends[s] - ends[s - 1] for s in steady]
         span_s = [ends[s] - starts[s] for s in steady]
         median_step = statistics.median(step_s)
-        t0 = min([ends[k]] + ([trial["spawned"][i]] if i in trial["spawned"] and way != "cold" else []))
+        # A pool's processes were there before the decision: their start-up is not the change's.
+        spawned = i in trial["spawned"] and way not in ("cold", "online-pool")
+        t0 = min([ends[k]] + ([trial["spawned"][i]] if spawned else []))
         m, first = last + args.m - k, last + 1
         out.append({
             "change": f"{CHAIN[i][0]}@{CHAIN[i][1]} -> {CHAIN[i + 1][0]}@{CHAIN[i + 1][1]}", "decided_at": k,
@@ -191,10 +201,10 @@ def summarise(per_way: dict[str, list[list[dict]]]) -> list[dict]:
             figs = [t[i] for t in trials]
             row["change"] = figs[0]["change"]
             row[way] = {key: spread([f[key] for f in figs]) for key in ("lost_s", "first_step_ratio", "median_step_s")}
-        if "online" in row:
+        for online in ("online", "online-pool"):
             for base in ("cold", "warm"):
-                if base in row:
-                    row[f"online_over_{base}"] = row["online"]["lost_s"]["median"] / row[base]["lost_s"]["median"]
+                if online in row and base in row:
+                    row[f"{online}_over_{base}"] = row[online]["lost_s"]["median"] / row[base]["lost_s"]["median"]
         rows.append(row)
     return rows
 
@@ -205,13 +215,14 @@ def spread(xs: list[float]) -> dict:
 
 def table(rows: list[dict], ways: list[str]) -> str:
     head = ["change"] + [f"{w} lost s" for w in ways] + [f"{w} first step / median" for w in ways]
-    head += [f"online / {b}" for b in ("cold", "warm") if f"online_over_{b}" in rows[0]]
+    ratios = [f"{o}_over_{b}" for o in ("online", "online-pool") for b in ("cold", "warm") if f"{o}_over_{b}" in rows[0]]
+    head += [r.replace("_over_", " / ") for r in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda d, p: f"{d['median']:.{p}f} ({d['min']:.{p}f} to {d['max']:.{p}f})"
     for r in rows:
         cells = [r["change"]] + [fmt(r[w]["lost_s"], 2) for w in ways]
         cells += [fmt(r[w]["first_step_ratio"], 2) for w in ways]
-        cells += [f"{r[f'online_over_{b}']:.3f}" for b in ("cold", "warm") if f"online_over_{b}" in r]
+        cells += [f"{r[k]:.3f}" for k in ratios]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
