@@ -13,9 +13,14 @@ Trains ``--model`` on ``--devices`` CPU ranks under ``--source`` (default dp_sha
 * the raw limits: the same bytes between the same ordered pairs from preallocated buffers, all posted at once in one
   batch_isend_irecv of <= 64 MiB messages, and in rounds that pass at most the budget through each process (the
   goal's baseline); and a replay of the engine's own rounds without pack/unpack;
+* the copy-speed bound: the raw time under the budget plus this rank's copies that no transfer avoids (its
+  strided sends packed, its strided receives unpacked, its local copies but those kept in place), timed alone on
+  touched tensors of the states' shapes; a transfer that overlaps nothing reaches it (`copy_bound`);
 * before the first switch of each direction (budget --budget-mb), the naive baseline: `full_tensor()` of every
   parameter and moment, slice the target shard; its time, peak, and whether its result equals the engine's.
-``--sweep`` adds one switch pair per extra budget (MiB) in the same run.
+``--sweep`` adds one switch pair per extra budget (MiB) in the same run. ``--engine-ways streamed,batched`` runs each
+pair once per way the engine posts a round (``run_transition(streamed=...)``), taking turns; ``direct=N`` ways set the
+smallest piece that goes on the wire in place.
 """
 
 from __future__ import annotations

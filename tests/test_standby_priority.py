@@ -95,7 +95,7 @@ def test_the_setting_reaches_the_config_and_the_launcher(monkeypatch):
     from dynatrain.cli.job_launcher import ElasticLauncher, split_elastic_args
     from dynatrain.elastic.manager import ElasticConfig
 
-    assert ElasticConfig().standby_nice == priority.DEFAULT_STANDBY_NICE == 10
+    assert ElasticConfig().standby_nice == priority.DEFAULT_STANDBY_NICE == 4
     with pytest.raises(ValueError, match="elastic standby_nice must be an integer from 0"):
         ElasticConfig(standby_nice=25)
     opts, _ = split_elastic_args(["fit", "--elastic.standby", "2", "--elastic.standby_nice", "5"])
@@ -103,7 +103,7 @@ def test_the_setting_reaches_the_config_and_the_launcher(monkeypatch):
     assert launcher.standby == 2 and launcher.config["standby_nice"] == 5
     # The launcher carries it to its processes in the JSON config they read as the strategy's default.
     carried = {"DYNATRAIN_ELASTIC": json.dumps(launcher.config)}
-    assert priority.launcher_amount(carried) == 5 and priority.launcher_amount({}) == 10
+    assert priority.launcher_amount(carried) == 5 and priority.launcher_amount({}) == priority.DEFAULT_STANDBY_NICE
     assert ElasticConfig.parse(json.loads(carried["DYNATRAIN_ELASTIC"])).standby_nice == 5
     with pytest.raises(ValueError, match="--elastic.standby_nice must be an integer from 0"):
         ElasticLauncher({"standby_nice": -3}, ["fit"])

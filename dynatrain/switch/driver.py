@@ -121,6 +121,7 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
             timer.lap("world")  # forming the world the bytes travel on
         if planned.build is Build.ON_TARGET_WORLD:
             move.enter(ctx, world, planned)
+            timer.lap("world")
             built.append(_build(ctx, planned, timer))
             timer.lap("build")
         dst, stats = engine.run_transition(  # looked up at call time: fault injection and benchmarks replace it
@@ -143,6 +144,7 @@ def switch_stages(ctx: SwitchContext, move: Move) -> Generator[Await, nn.Module 
     # build: the target world exists now
     if planned.build is Build.AFTER_TRANSFER:
         move.enter(ctx, world, planned)
+        timer.lap("world")
         built.append(_build(ctx, planned, timer))
         timer.lap("build")
     elif planned.build is Build.BY_LIGHTNING:
