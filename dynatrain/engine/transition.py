@@ -75,7 +75,7 @@ def run_transition(
     keep_in_place: bool = True,
     preallocated: Mapping[str, torch.Tensor] | None = None,
     copy_threads: int | None = None,
-    streamed: bool | None = None,
+    streamed: bool = False,
 ) -> tuple[dict[str, torch.Tensor], TransitionStats]:
     """Run process ``rank``'s part of ``plan`` and return (its new local tensors, stats).
 
