@@ -23,6 +23,9 @@ import dynatrain
 from dynatrain.switch.in_world import planner_rank_map
 from dynatrain.launcher import finish_rank
 import dynatrain.engine as engine_mod
+from dynatrain.engine import wire
+from dynatrain.engine.transition import states_kept_in_place
+from dynatrain.engine.wire import box_view, recv_staged, send_staged, slots, split_message
 from dynatrain.data import LlamaDataModule
 from dynatrain.engine import torch_dtype
 from dynatrain.llama_lm import LlamaLM
@@ -33,7 +36,7 @@ from dynatrain.switch.capture import local_tensor
 from dynatrain.vps.layout import StateSpec
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-DIRECT_MIN_BYTES = __import__("dynatrain.engine.wire", fromlist=["x"]).DIRECT_MIN_BYTES
+DIRECT_MIN_BYTES = wire.DIRECT_MIN_BYTES  # the engine's own threshold, restored after a ``direct=N`` way
 
 
 def state_specs(model, opt) -> tuple[StateSpec, ...]:
@@ -140,9 +143,6 @@ def copy_bound(plan, rank: int, repeats: int) -> list[float]:
     unpacked out of one, each local copy; the wire's operations split as the engine splits them. Added to the wire's
     own time under the budget, the time of a transfer that overlaps nothing (the copy-speed bound). A state the
     engine keeps in place (`states_kept_in_place`) costs no copy."""
-    from dynatrain.engine.transition import states_kept_in_place
-    from dynatrain.engine.wire import box_view, recv_staged, send_staged, slots, split_message
-
     rp, old, new = plan.rank_plan(rank), plan.old, plan.new
     kept = states_kept_in_place(plan, rank)
     dtypes = {st.name: torch_dtype(st.dtype) for st in old.states}
@@ -283,8 +283,6 @@ class SwitchBench(pl.Callback):
         dist.barrier()
         entry["pre_barrier_wait_s"] = time.perf_counter() - t0
         CAPTURE.clear()
-        from dynatrain.engine import wire
-
         if way.startswith("direct="):
             wire.DIRECT_MIN_BYTES = int(way.split("=")[1])
         else:

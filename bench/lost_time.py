@@ -19,10 +19,10 @@ ways (`bench/_lost_time_worker.py`):
 **Lost time** of the change decided at the end of step k:
 ``T(end of step k+m) - T0 - m * median step of the new world`` with ``T0`` the earlier of the end of step k and the
 start of any new process (for a scale-out the parent starts the new processes the moment rank 0 signals the
-decision, both ways, so their start-up and its CPU count; a pool's processes were there before it), and the median taken over the ``--steady`` steps after
-k+m, same trial. Marks are ``time.time()`` written by every process on one machine clock; a step's end is its
-latest process's. The **first step** after a change is its first new-world step from its latest first micro-batch to
-its latest end, divided by the median of the same span over the steady steps.
+decision, both ways, so their start-up and its CPU count; a pool's processes were there before it), and the median
+taken over the ``--steady`` steps after k+m, same trial. Marks are ``time.time()`` written by every process on one
+machine clock; a step's end is its latest process's. The **first step** after a change is its first new-world step
+from its latest first micro-batch to its latest end, divided by the median of the same span over the steady steps.
 
 Trials run in a random order (``--seed``), ``--repeats`` of each way; each figure is reported as median and range.
 Four processes share the machine's cores: these figures are for what a change costs a job, not for bandwidth
@@ -215,7 +215,8 @@ def spread(xs: list[float]) -> dict:
 
 def table(rows: list[dict], ways: list[str]) -> str:
     head = ["change"] + [f"{w} lost s" for w in ways] + [f"{w} first step / median" for w in ways]
-    ratios = [f"{o}_over_{b}" for o in ("online", "online-pool") for b in ("cold", "warm") if f"{o}_over_{b}" in rows[0]]
+    ratios = [f"{o}_over_{b}" for o in ("online", "online-pool") for b in ("cold", "warm")
+              if f"{o}_over_{b}" in rows[0]]
     head += [r.replace("_over_", " / ") for r in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda d, p: f"{d['median']:.{p}f} ({d['min']:.{p}f} to {d['max']:.{p}f})"

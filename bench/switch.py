@@ -127,7 +127,8 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--raw-repeats", type=int, default=2)
     ap.add_argument("--engine-ways", default="default",
-                    help="streamed,batched: every switch pair once per way the engine posts a round, taking turns")
+                    help="streamed,batched: every switch pair once per way the engine posts a round, taking turns; "
+                         "direct=N: pieces of N bytes or more go on the wire in place")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -306,6 +306,7 @@ class _RankTransition:
         self._free_exhausted(on_wire)
         for op, off in zip(recvs, recv_offs):
             self._unpack_op(op, off)
+        self._sync()
         stats.seconds_unpack += time.perf_counter() - t4
         self._count_messages(k)
 
@@ -428,7 +429,8 @@ class _RankTransition:
         self._sync()
 
     def _unpack_op(self, op: WireOp, off: int) -> None:
-        """Copy what arrived in ``op``'s slot of the staging buffer into its destinations."""
+        """Copy what arrived in ``op``'s slot of the staging buffer into its destinations (queued on a GPU: the
+        caller synchronises once for the round)."""
         if not op.dst_direct:
             pos = off
             for t in op.pieces:
@@ -437,7 +439,6 @@ class _RankTransition:
                 out.copy_(self.staging[pos:pos + t.nbytes].view(self.dtypes[t.state]).view(out.shape))
                 pos += t.nbytes
                 del out
-            self._sync()
         self.stats.bytes_received += op.nbytes
 
     # ---- the end --------------------------------------------------------------------------------------------
