@@ -74,7 +74,7 @@ class ElasticConfig:
             of its host's cores (`dynatrain.threads`). None: only when a launcher of dynatrain's chose the count
             (``$DYNATRAIN_THREADS=split``, for a process started without ``OMP_NUM_THREADS``).
         standby_nice: how much a joiner raises its niceness from registering until it is admitted, so that a
-            standby process getting ready and waiting takes only the CPU time the members leave; it gets its normal
+            standby process getting ready and waiting takes a smaller share of the members' cores; it gets its normal
             priority back before it enters the world (`dynatrain.elastic.priority`). 0: joiners keep their
             priority. Where the system would not let it lower its niceness again (RLIMIT_NICE), it is not raised.
 
