@@ -3,7 +3,8 @@
 A standby process (one of the pool `dynatrain fit --elastic.standby K` keeps, or a member that left and waits again)
 imports torch and Lightning, builds its Trainer and plans its side of the next scale-out on the cores the members
 train on. With its niceness raised, the scheduler gives that work a smaller share of busy cores (and all of idle
-ones), so the pool's start-up slows the members' steps less; the higher the niceness, the later the pool is ready. Once admitted it is in every collective of the job and must run as fast as the
+ones), so the pool's start-up slows the members' steps less; the higher the niceness, the later the pool is
+ready. Once admitted it is in every collective of the job and must run as fast as the
 members, so it takes its normal priority back before it enters the world.
 
 Linux lets a process raise its niceness freely but lower it again only within RLIMIT_NICE (soft limit r: down to
