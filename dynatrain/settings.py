@@ -55,6 +55,11 @@ _SETTINGS = (
             ("dynatrain.elastic.manager:ElasticConfig.rejoin",),
             "'1': a `dynatrain fit`/`join` process that leaves the job waits as a standby for the next scale-out "
             "(the launcher with --elastic.standby sets it)"),
+    Setting("DYNATRAIN_RDZV",
+            ("dynatrain.callbacks.rescale:ElasticCallback.arrivals",
+             "dynatrain.callbacks.rescale:ElasticCallback.preemption"),
+            "'dynatrain': a worker of torchrun's dynatrain rendezvous backend (its agent sets it): ElasticCallback "
+            "admits every ready joiner and takes SIGTERM as the node leaving"),
     Setting("DYNATRAIN_STORE_TOKEN",
             ("dynatrain.elastic.store --token", "dynatrain.elastic.store:start_store.token"),
             "the token of `python -m dynatrain.elastic.store`"),

@@ -37,6 +37,7 @@ from dynatrain.callbacks.rescale_plan import (
     Decision, Unpriced, accepts_keyword, accepts_leave, plan_target, workload_for,
 )
 from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
+from dynatrain.elastic.rendezvous import launched_by_rendezvous
 from dynatrain.policy import GiB, Devices, LayoutPolicy, choose_layout
 from dynatrain.planner.network import NetworkModel
 from dynatrain.signals.agreement import MergedRequest, Proposal, Slot, all_gather_slots, encode_slot, merge_proposals
@@ -44,6 +45,7 @@ from dynatrain.signals.control import ControlServer
 from dynatrain.signals.file import FileSource
 from dynatrain.signals.hub import SignalHub
 from dynatrain.signals.preemption import PreemptionSource
+from dynatrain.signals.request import ScaleRequest
 from dynatrain.signals.trace import TraceSource
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -66,7 +68,12 @@ class ElasticCallback(pl.Callback):
             when missing), else ``$DYNATRAIN_TOKEN``, else a fresh one in ``<run dir>/control.token``. The
             endpoint and token file are written to ``<run dir>/control.json``.
         preemption: ``True`` or ``{signum, grace_seconds}``: the signal (SIGTERM by default) tells a rank it
-            goes away within the grace period; the job scales in without it.
+            goes away within the grace period; the job scales in without it. None: on in a worker of torchrun's
+            ``dynatrain`` rendezvous backend (`dynatrain.elastic.rendezvous`), whose agent sends SIGTERM on when
+            its node leaves.
+        arrivals: at every checked boundary rank 0 asks for every joiner that is ready (registered, set up and
+            beating): a node that arrived joins the job by a scale-out. None: on in a worker of torchrun's
+            ``dynatrain`` backend, off under dynatrain's own launcher, whose standby pool waits for a request.
         max_devices: requests for more devices are refused.
         check_every_n_steps: agree on pending requests every this many optimizer steps (one small collective).
         horizon_steps: steps a new layout is expected to run; weighs a same-size re-layout against its cost.
@@ -87,7 +94,8 @@ class ElasticCallback(pl.Callback):
         trace: Sequence[Any] | None = None,
         watch_file: str | os.PathLike | dict | None = None,
         control: bool | dict = False,
-        preemption: bool | dict = False,
+        preemption: bool | dict | None = None,
+        arrivals: bool | None = None,
         max_devices: int | None = None,
         check_every_n_steps: int = 1,
         horizon_steps: int = 200,
@@ -110,7 +118,13 @@ class ElasticCallback(pl.Callback):
         TraceSource(self.trace_entries, max_devices)  # a bad trace fails here, before any training
         self.watch = watch_options(watch_file)
         self.control = source_options(control, "control", {"host", "port", "token", "token_file", "allow_remote"})
-        self.preemption = source_options(preemption, "preemption", {"signum", "grace_seconds"})
+        launched = launched_by_rendezvous()
+        self.preemption = source_options(launched if preemption is None else preemption, "preemption",
+                                         {"signum", "grace_seconds"})
+        self.arrivals = launched if arrivals is None else bool(arrivals)
+        # Stands down for an ElasticCallback of the user's (`for_launcher`).
+        self.defers_to_user = False
+        self._arrivals_asked: tuple[int, int] | None = None
         self.check_every_n_steps = check_every_n_steps
         self.policy = LayoutPolicy(horizon_steps=horizon_steps, fixed_seconds=switch_fixed_seconds)
         self.device_spec = dict(memory_bytes=int(device_memory_gb * GiB), per_node=devices_per_node,
@@ -146,8 +160,21 @@ class ElasticCallback(pl.Callback):
         return [d for d in self.decisions if d.action == "reject"]
 
     # ---- Lightning hooks ----------------------------------------------------------------------------------
+    @classmethod
+    def for_launcher(cls) -> "ElasticCallback":
+        """The callback Lightning adds to a Trainer in a worker of torchrun's ``dynatrain`` backend (the
+        ``lightning.pytorch.callbacks_factory`` entry point): arrivals and preemption on, planned by the job's
+        policy; it does nothing where the Trainer has an ElasticCallback of the user's."""
+        callback = cls(arrivals=True, preemption=True)
+        callback.defers_to_user = True
+        return callback
+
+    def _inert(self, trainer: pl.Trainer) -> bool:
+        return self.defers_to_user and any(isinstance(cb, ElasticCallback) and not cb.defers_to_user
+                                           for cb in trainer.callbacks)
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" or self._inert(trainer):
             return
         if not hasattr(trainer.strategy, "request_switch"):
             raise TypeError(f"ElasticCallback needs a strategy that can switch layouts (DynaTrainStrategy), "
@@ -163,6 +190,8 @@ class ElasticCallback(pl.Callback):
             trainer.callbacks.append(self.switch_log)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._inert(trainer):
+            return
         self.run_dir = resolve_run_dir(trainer, self.log_dir)  # a collective: before any rank-0-only branch
         self._last_checked = None
         self._trace = TraceSource(self.trace_entries, self.max_devices)
@@ -176,6 +205,8 @@ class ElasticCallback(pl.Callback):
             raise
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._inert(trainer):
+            return
         if getattr(trainer.strategy, "detached", False):
             self.close()  # this process has left the job: it no longer takes requests
             return
@@ -288,6 +319,8 @@ class ElasticCallback(pl.Callback):
             for request in due:
                 self.hub.submit(request)
         self._skip_past_trace = False
+        if self.arrivals:
+            self._ask_for_arrivals(trainer)
         slots = self._exchange(trainer, Slot(self._local_proposal(trainer), bool(self._listeners)))
         self._take_over_listeners(trainer, slots)
         merged = merge_proposals([slot.proposal for slot in slots])
@@ -298,6 +331,24 @@ class ElasticCallback(pl.Callback):
         decision.signal_to_decision_s = max(0.0, time.time() - merged.wall_time)
         self._record(trainer, decision)
         return decision
+
+    def _ask_for_arrivals(self, trainer: pl.Trainer) -> None:
+        """On rank 0: a scale-out for every ready joiner, unless one is already under way. Others hear of it in the
+        agreement; the joiners are admitted by the switch, at this boundary or the next."""
+        strategy = trainer.strategy
+        if trainer.global_rank != 0 or getattr(strategy, "switch_pending", True) \
+                or not hasattr(strategy, "ready_standby"):
+            return
+        ready = strategy.ready_standby() or 0
+        devices = strategy.world_size + ready
+        if self.max_devices is not None:
+            devices = min(devices, self.max_devices)
+        asked, self._arrivals_asked = self._arrivals_asked, (strategy.world_size, devices)
+        # Once per pool and world: a refused scale-out (a global batch the count cannot keep) is not asked again
+        # at every step, only when another process arrives or the world changes.
+        if devices > strategy.world_size and asked != (strategy.world_size, devices):
+            self.hub.submit(ScaleRequest(devices=devices, source="arrival",
+                                         reason=f"{ready} process(es) arrived and are ready to join"))
 
     def _local_proposal(self, trainer: pl.Trainer) -> Proposal | None:
         rank = trainer.global_rank
@@ -334,6 +385,9 @@ class ElasticCallback(pl.Callback):
         base = dict(step=step, request=merged.describe(), source=merged.source, leave=merged.leave,
                     sources=merged.sources)
         can_change_world = accepts_leave(strategy.request_switch)
+        if merged.source == "arrival" and merged.leave:
+            # Counted as "the world and the arrivals": ranks leaving at the same boundary do not stay.
+            merged = dataclasses.replace(merged, devices=max(1, merged.devices - len(merged.leave)))
         try:
             plan = plan_target(merged, strategy.parallel_config, strategy.world_size,
                                planner=lambda count, leave: self._plan_layout(trainer, count, leave),

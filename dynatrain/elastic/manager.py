@@ -45,6 +45,11 @@ REJOIN_ENV = "DYNATRAIN_REJOIN"  # ElasticConfig.rejoin: "1" from a launcher wit
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
 # Every member waits at the rendezvous for the last admitted joiner to notice: poll often (one small store request).
 ADMISSION_POLL = 0.01
+FINISHED_KEY = "elastic/finished"
+
+
+class JobEnded(RuntimeError):
+    """A joiner's job ended before it was admitted: there is nothing to join, and nothing failed."""
 
 
 @dataclass
@@ -164,6 +169,23 @@ class ElasticManager:
         self._beating: threading.Event | None = None
         self._joiner_beats: dict[str, tuple[int, float]] = {}  # joiner -> (last beat count, when it changed)
         self.thread_splits: list[tuple[int, int]] = []  # per world this process entered: (processes on host, threads)
+
+    def end_at_exit(self) -> None:
+        """End this process's world when the interpreter exits, if nobody did before: a script of the user's (under
+        torchrun) ends after `fit` with the world's groups and the model's DTensors alive, and gloo's threads torn
+        down by the interpreter's own clean-up abort the process now and then ("terminate called without an active
+        exception") after training succeeded. Collected first, then destroyed; no barrier, which a peer that
+        already failed would hold up until the timeout."""
+        def end() -> None:
+            import gc
+
+            import torch.distributed as dist
+
+            gc.collect()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+
+        atexit.register(end)
 
     def _start_heartbeat(self) -> None:
         """Beat in the store from a thread with its own connection, so a process blocked in a collective still
@@ -309,7 +331,9 @@ class ElasticManager:
         admit = f"admit/{self.member_id}"
         try:
             # Poll with check(): a store wait() that times out logs a warning every time.
-            while not self.store.check([admit]):
+            while not self._check_alive([admit]):
+                if self.store.check([FINISHED_KEY]):
+                    raise JobEnded(f"joiner {self.member_id}: the job finished before admitting it")
                 if self.store.check([f"elastic/dropped/{self.member_id}"]):
                     reason = self.store.get(f"elastic/dropped/{self.member_id}").decode()
                     raise TimeoutError(f"joiner {self.member_id} was dropped by the job: {reason}")
@@ -324,6 +348,21 @@ class ElasticManager:
         t = await_admission(self.store, self.member_id, timeout=self.config.timeout)
         payload = json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
         return t, payload
+
+    def _check_alive(self, keys: list[str]) -> bool:
+        """``store.check``, where a store that is gone means the job ended (its store lives with it)."""
+        try:
+            return self.store.check(keys)
+        except RuntimeError as e:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
+            raise JobEnded(f"joiner {self.member_id}: the job's store at {self.endpoint} is gone, so is the job "
+                           f"({type(e).__name__})") from None
+
+    def finish(self) -> None:
+        """The job's training ended: processes still waiting to join stop waiting."""
+        try:
+            self.store.set(FINISHED_KEY, "1")
+        except RuntimeError:
+            pass  # the store is gone already: so are the waiting processes' chances of admission
 
     def join_world(self, t: WorldChange, transfer) -> WorldGeneration:
         from dynatrain.elastic.world import run_world_change

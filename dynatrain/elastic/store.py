@@ -53,14 +53,28 @@ def connect(endpoint: str, token: str, timeout: float = 60.0):
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"no dynatrain store answers at {endpoint} within {timeout:.0f}s: check the "
                               f"endpoint the launcher wrote, and that the store process still runs ({e})") from None
+    check_token(store, endpoint, token, f"pass the token the job was started with (--token, or ${TOKEN_ENV})")
+    return store
+
+
+def check_token(store, endpoint: str, token: str, fix: str) -> None:
+    """Raise ``PermissionError`` (saying ``fix``) unless ``token`` is the one the store at ``endpoint`` serves."""
     try:
         expected = store.get(TOKEN_KEY)
     except RuntimeError:
         raise ConnectionError(f"the store at {endpoint} holds no dynatrain token: it is not a dynatrain store "
-                              f"(or it is still starting); check --endpoint") from None
+                              f"(or it is still starting); check the endpoint") from None
     if not hmac.compare_digest(expected, _token_hash(token)):
-        raise PermissionError(f"the store at {endpoint} refused the token: pass the token the job was started "
-                              f"with (--token, or ${TOKEN_ENV})")
+        raise PermissionError(f"the store at {endpoint} refused the token: {fix}")
+
+
+def serve_in_process(host: str, port: int, token: str, timeout: float):
+    """Serve the job's store from this process (it lives as long as the returned object); raises ``RuntimeError``
+    or ``OSError`` when the port is taken."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    store.set(TOKEN_KEY, _token_hash(token).decode())
     return store
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from dynatrain.vps.parallel_config import ParallelConfig
 
-SOURCES = ("preemption", "control", "file", "trace")
+SOURCES = ("preemption", "control", "file", "trace", "arrival")
 PAYLOAD_EXAMPLE = '{"devices": 3} or {"layout": "dp_shard=2,tp=2"}, optionally with "wait": true'
 MAX_BODY = 64 * 1024
 

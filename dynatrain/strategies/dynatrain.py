@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.control import new_control_group
 from dynatrain.elastic import priority
-from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
+from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, JobEnded, member_info
 from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
 from dynatrain.lightning_support import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
@@ -47,6 +47,7 @@ from dynatrain.models.parallelize import (
 from dynatrain.models.registry import zoo_config_of
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
+from dynatrain.strategies.fit_loop import resume_from_when_none
 from dynatrain.strategies.lightning_compat import lightning_sizes, refuse_fsdp1
 from dynatrain.strategies.lightning_world import adopt_logger_versions, forget_old_meshes, logger_versions, set_world
 from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
@@ -300,14 +301,21 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self._device = self.root_device
         self._process_group_backend = self._get_process_group_backend()
         self.elastic = ElasticManager(self.elastic_config, self._process_group_backend)
+        self.elastic.end_at_exit()
         if self.elastic.joining:
             self.local_only = True
             trainer = self.lightning_module.trainer
             # Lightning brackets prepare_data with a barrier on a new group of the whole world; the members
             # passed theirs long ago, so a joiner prepares its node's data alone.
             trainer._data_connector.prepare_data = lambda: _prepare_data_locally(trainer)
+            resume_from_when_none(trainer, JOIN_CHECKPOINT)
             self._install_switcher(None)
-            self._switcher.join()
+            try:
+                self._switcher.join()
+            except JobEnded as e:
+                # Under a launcher that keeps a node's processes until they exit (torchrun), a clean end.
+                print(f"dynatrain: {e}; this process exits", flush=True)
+                raise SystemExit(0) from None
             self.lightning_module._device_mesh = self._device_mesh
             return
         self.set_world_ranks()
@@ -317,6 +325,12 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         versions = logger_versions(trainer) if world.rank == 0 else None
         adopt_logger_versions(trainer, self.broadcast(versions))
+
+    def teardown(self) -> None:
+        if self.elastic is not None and self.elastic.world is not None and not self.detached \
+                and self.global_rank == 0:
+            self.elastic.finish()
+        super().teardown()
 
     def form_control_group(self) -> None:
         """Right after a world forms, on every rank: a collective on the default group, so that its first operation

@@ -178,7 +178,8 @@ def set_epoch_length(trainer: pl.Trainer, lengths: list[int]) -> None:
         combined.limits = lengths
         if combined._iterator is not None:
             combined._iterator.limits = lengths
-    fit.max_batches = max(lengths)
+    # As the combined loader's mode counts them (Lightning's own default, "max_size_cycle", the longest).
+    fit.max_batches = min(lengths) if combined._mode == "min_size" else max(lengths)
     if fit._data_fetcher is not None and fit._data_fetcher.length is not None:
         fit._data_fetcher.length = fit.max_batches
 
@@ -199,3 +200,17 @@ def restart_fetcher(trainer: pl.Trainer) -> None:
     fetched = fetcher.fetched
     iter(fetcher)
     fetcher.fetched = fetched
+
+
+def resume_from_when_none(trainer: pl.Trainer, path: str) -> None:
+    """Make this fit restore from ``path`` when it was given no ``ckpt_path``: a joiner started by a launcher that
+    runs the user's own script (torchrun) must resume the loop state the members hand it, and the script's
+    ``trainer.fit(model)`` names none. Lightning fixed the path before the strategy's set-up runs; what reads it is
+    the checkpoint connector's restore of modules and callbacks."""
+    connector = trainer._checkpoint_connector
+    restore = connector._restore_modules_and_callbacks
+
+    def restore_with_default(checkpoint_path=None, *args, **kwargs):
+        return restore(checkpoint_path or path, *args, **kwargs)
+
+    connector._restore_modules_and_callbacks = restore_with_default
