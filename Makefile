@@ -10,10 +10,17 @@ STAMP := $(VENV)/.dynatrain-setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# LitData (the streaming tests) without its own requirements: they pull torchvision, which replaces the pinned torch
+# with a multi-GB CUDA build. What LitData imports comes from the second line, with the torch pin held.
+LITDATA_PIN ?= litdata>=0.2.76,<0.3
+LITDATA_DEPS := lightning-utilities filelock numpy requests "urllib3>=1.26" obstore tifffile boto3
+
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "$(LITDATA_PIN)"
+	$(PY) -m pip install -q --disable-pip-version-check --no-warn-conflicts $(LITDATA_DEPS) "$(TORCH_PIN)"
 	@touch $(STAMP)
 
 # The two members left after the scale-in keep both cores busy, so the leavers' start-up as standby processes gets

@@ -31,8 +31,8 @@ def one_process_group(tmp_path_factory):
 # Modules whose tests share a module-scoped reference run (a multi-process launch of 10 to 60 s): one pytest worker
 # takes the whole module, so the reference runs once. Every other test is a unit of its own. (xdist's `xdist_group`
 # mark cannot do this on pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)
-ONE_WORKER_MODULES = {"test_checkpointing_compile_mp.py", "test_elastic_mp.py", "test_moe_switch.py",
-                      "test_pipeline_mp.py", "test_training_mp.py"}
+ONE_WORKER_MODULES = {"test_checkpointing_compile_mp.py", "test_data_streams_mp.py", "test_elastic_mp.py",
+                      "test_moe_switch.py", "test_pipeline_mp.py", "test_torchrun_backend.py", "test_training_mp.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -51,13 +51,21 @@ def check_layout(trainer, model, datamodule) -> None:
     data module's global batch. A process joining an elastic job takes the layout of the switch it joins, so it
     is not checked.
     """
+    from dynatrain.elastic.rendezvous import launched_by_rendezvous
     from dynatrain.models.registry import zoo_config_of
 
     strategy = trainer.strategy
     if not hasattr(strategy, "parallel_request") or _elastic(strategy, "join"):
         return
-    devices = trainer.num_nodes * trainer.num_devices
-    pcfg = strategy.requested_layout(trainer.num_nodes, trainer.num_devices)
+    if launched_by_rendezvous():
+        # torchrun's variables say the world this process starts in; the Trainer's num_nodes cannot while nodes
+        # come and go.
+        devices, per_node = trainer.world_size, trainer.num_devices
+        nodes = max(1, devices // per_node)
+    else:
+        nodes, per_node = trainer.num_nodes, trainer.num_devices
+        devices = nodes * per_node
+    pcfg = strategy.requested_layout(nodes, per_node)
     pcfg.validate(zoo_config_of(model), devices)
     if hasattr(datamodule, "accumulation_for"):
         try:

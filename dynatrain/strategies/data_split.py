@@ -6,15 +6,14 @@ of that moment. The strategy takes the loader over as `Strategy.process_dataload
 becomes an `ElasticSampler` with the same order, and the loader is re-made with Lightning's own re-instantiation
 helper. The global batch is the data-parallel size x the loader's batch size x `accumulate_grad_batches` at set-up;
 every switch keeps it through accumulation, re-splits every loader for the new data-parallel rank (the same for
-every rank of a tp, pp or cp group: cp ranks read whole samples, and the model splits their sequences), and moves Lightning's epoch length with it. An `IterableDataset` that implements
-`dynatrain.data.iterable.DataParallelIterable` is re-split by its own `set_data_parallel`. A loader whose split
-cannot be re-derived makes every switch that changes the data-parallel size or rank fail at request time.
+every rank of a tp, pp or cp group: cp ranks read whole samples, and the model splits their sequences), and moves Lightning's epoch length with it. A loader over an `IterableDataset` is re-split through an adapter of
+`dynatrain.data.streams` (its own `set_data_parallel`, LitData, Hugging Face streaming; `data_streams`). A loader
+whose split cannot be re-derived makes every switch that changes the data-parallel size or rank fail at request time.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +25,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from dynatrain import control
 from dynatrain.data.elastic_sampler import ElasticSampler
-from dynatrain.data.iterable import DataParallelIterable
+import dynatrain.strategies.data_streams as data_streams
+from dynatrain.data.streams.torchdata import plain_shuffle
 from dynatrain.strategies.fit_loop import (
     micro_batches_done,
     restart_fetcher,
@@ -44,25 +44,12 @@ class BatchMismatchError(RuntimeError):
     """Ranks that must read the same batch (one data-parallel rank: a tp, pp or cp group) read different ones."""
 
 
-@dataclass
-class _Stream:
-    """An iterable dataset that re-splits itself (`DataParallelIterable`)."""
-
-    loader: DataLoader
-    micro_batch_size: int
-    global_batch_size: int
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-
 class DataSplit:
     def __init__(self, strategy: "DynaTrainStrategy") -> None:
         self.strategy = strategy
         self.train: list[tuple[DataLoader, ElasticSampler]] = []
         self.val: list[tuple[DataLoader, ElasticSampler]] = []
-        self.streams: list[_Stream] = []
+        self.streams: list[data_streams.Stream] = []
         self.fixed: list[tuple[DataLoader, str]] = []  # the training loaders whose split cannot change, and why
         self.first_step = 0  # the trainer's global step at the start of the current epoch
         self._state: dict | None = None  # restored from a checkpoint (or a joiner's payload), until used
@@ -77,16 +64,16 @@ class DataSplit:
         training = trainer.state.stage == RunningStage.TRAINING
         self._forget_reloaded(trainer, training)
         if isinstance(dataloader.dataset, IterableDataset):
-            if training:
-                self._take_stream(trainer, dataloader)
-            return dataloader
+            return self._take_stream(trainer, dataloader) if training else dataloader
         sampler = _index_sampler(dataloader)
         if isinstance(sampler, ElasticSampler):
             (self.train if training else self.val).append((dataloader, sampler))
             return dataloader
         if hasattr(sampler, "set_layout") and hasattr(getattr(trainer, "datamodule", None), "set_layout"):
             return dataloader  # the data module re-splits its own loaders (`LlamaDataModule.set_layout`)
-        source = _source(sampler)
+        source, shuffle = _source(sampler), getattr(sampler, "shuffle", False)
+        if source is not None and plain_shuffle(source, dataloader.dataset):
+            source, shuffle = dataloader.dataset, True
         if source is None:
             if training:
                 self.fixed.append((dataloader, f"the training dataloader's sampler {type(sampler).__name__} is not "
@@ -109,7 +96,7 @@ class DataSplit:
         if training and limit != 1.0:  # Lightning's limit, in micro-batches of the first split, kept in samples
             per_rank = -(-len(sampler) // micro)
             max_samples = (int(limit) if isinstance(limit, int) else int(per_rank * limit)) * micro * reference
-        elastic = ElasticSampler(source, micro, glob, reference, rank % reference, shuffle=sampler.shuffle,
+        elastic = ElasticSampler(source, micro, glob, reference, rank % reference, shuffle=shuffle,
                                  seed=sampler.seed, drop_last=sampler.drop_last, max_samples=max_samples)
         if saved is not None:
             elastic.load_state_dict(saved)
@@ -125,6 +112,8 @@ class DataSplit:
                                                f"re-made with another sampler ({str(e).strip().splitlines()[0]})"))
             return dataloader
         (self.train if training else self.val).append((loader, elastic))
+        if training:
+            data_streams.ignore_loader_state(loader)  # torchdata's StatefulDataLoader: the sampler holds the position
         return loader
 
     def _forget_reloaded(self, trainer: "pl.Trainer", training: bool) -> None:
@@ -138,24 +127,19 @@ class DataSplit:
         else:
             self.val = [(d, s) for d, s in self.val if not stale(d)]
 
-    def _take_stream(self, trainer: "pl.Trainer", dataloader: DataLoader) -> None:
-        dataset = dataloader.dataset
-        if not isinstance(dataset, DataParallelIterable):
-            self.fixed.append((dataloader, f"the training dataloader reads an IterableDataset "
-                                           f"({type(dataset).__name__}) whose split dynatrain cannot re-derive: "
-                                           "implement set_data_parallel(dp_size, dp_rank, next_global_sample) on it "
-                                           "(dynatrain.data.iterable.DataParallelIterable)"))
-            return
-        if dataloader.num_workers > 0 and dataloader.persistent_workers:
-            self.fixed.append((dataloader, f"{type(dataset).__name__} is read by persistent DataLoader workers, "
-                                           "whose copies of the dataset a switch cannot reach: use "
-                                           "persistent_workers=False"))
-            return
-        micro = dataloader.batch_size or 1
+    def _take_stream(self, trainer: "pl.Trainer", dataloader: DataLoader) -> DataLoader:
         saved = self._saved_stream(len(self.streams))
-        glob = saved["global_batch_size"] if saved else self.strategy.dp_size * micro * trainer.accumulate_grad_batches
-        self.streams.append(_Stream(dataloader, micro, glob))
-        dataset.set_data_parallel(self.strategy.dp_size, self.strategy.dp_rank, glob * trainer.global_step)
+        size, rank = self.strategy.dp_size, self.strategy.dp_rank
+        glob = size * (dataloader.batch_size or 1) * trainer.accumulate_grad_batches
+        stream = data_streams.take(dataloader, size, rank, glob, saved, trainer.state.stage)
+        if isinstance(stream, str):
+            self.fixed.append((dataloader, stream))
+            return dataloader
+        self.streams.append(stream)
+        first = int(self._state["first_step"]) if saved and self._state.get("epoch") == trainer.current_epoch \
+            else trainer.global_step
+        data_streams.resplit(stream, size, rank, data_streams.position(trainer, stream, first))
+        return stream.loader
 
     # ---- requests -----------------------------------------------------------------------------------------
     @property
@@ -165,11 +149,7 @@ class DataSplit:
     def accumulation_for(self, dp_size: int) -> int | None:
         """Micro-batches per rank per step on ``dp_size`` ranks that keep the global batch (None: not owned)."""
         found = {s.accumulation_for(dp_size) for _, s in self.train}
-        for stream in self.streams:
-            if stream.global_batch_size % (dp_size * stream.micro_batch_size):
-                raise ValueError(f"the global batch of {stream.global_batch_size} samples cannot be kept on {dp_size} "
-                                 f"data-parallel ranks with batch_size={stream.micro_batch_size}")
-            found.add(stream.global_batch_size // (dp_size * stream.micro_batch_size))
+        found |= {data_streams.accumulation(stream, dp_size) for stream in self.streams}
         if len(found) > 1:
             raise ValueError(f"the training dataloaders would need different gradient accumulations {sorted(found)} "
                              f"on {dp_size} data-parallel ranks")
@@ -181,6 +161,9 @@ class DataSplit:
             raise ValueError(f"this switch changes the data-parallel split ({self.strategy.dp_size} -> {dp_size} "
                              f"ranks), and {'; '.join(why for _, why in self.fixed)}")
         self.accumulation_for(dp_size)
+        if dp_size != self.strategy.dp_size or not dp_ranks_kept:
+            for stream in self.streams:
+                stream.adapter.check(dp_size, stream.global_batch_size)
 
     # ---- a switch -----------------------------------------------------------------------------------------
     def apply(self, trainer: "pl.Trainer", dp_size: int, dp_rank: int) -> None:
@@ -205,18 +188,21 @@ class DataSplit:
         for _, sampler in self.train:
             sampler.set_layout(dp_size, dp_rank, step=min(step, sampler.steps_per_epoch), micro_done=micro_done)
         for stream in self.streams:
-            stream.dataset.set_data_parallel(dp_size, dp_rank, stream.global_batch_size * trainer.global_step)
+            data_streams.resplit(stream, dp_size, dp_rank, data_streams.position(trainer, stream, self.first_step))
 
     @staticmethod
     def _zoo_module(trainer: "pl.Trainer"):
         datamodule = getattr(trainer, "datamodule", None)
         return datamodule if datamodule is not None and hasattr(datamodule, "set_layout") else None
 
-    def _lengths(self, trainer: "pl.Trainer", micro_done: int = 0) -> None:
+    def _lengths(self, trainer: "pl.Trainer", micro_done: int = 0, stream_done: int | None = None) -> None:
         """Lightning measures its loaders once; a new split changes how many micro-batches each rank reads."""
         loaders = stage_loaders(trainer, training=True)
-        if loaders and self.train:
-            set_epoch_length(trainer, [len(d) for d, _ in self.train])
+        owned = self._owned_lengths(trainer, loaders, micro_done if stream_done is None else stream_done)
+        if owned is None and loaders and self.train:  # beside a loader the split does not own
+            owned = [len(d) for d, _ in self.train]
+        if owned is not None:
+            set_epoch_length(trainer, owned)
         elif loaders and trainer.limit_train_batches == 1.0:
             sampler = getattr(self._zoo_module(trainer), "train_sampler", None)
             if sampler is not None and hasattr(sampler, "remaining_in_epoch") and len(loaders) == 1:
@@ -228,6 +214,19 @@ class DataSplit:
             limit = trainer.limit_val_batches
             set_val_lengths(trainer, [min(len(d), limit) if isinstance(limit, int)
                                                      else int(len(d) * limit) for d, _ in self.val])
+
+    def _owned_lengths(self, trainer: "pl.Trainer", loaders: list, micro_done: int) -> list[float] | None:
+        """The epoch's micro-batches of every training loader, when the split owns them all and one is finite."""
+        lengths = []
+        for loader in loaders:
+            sampled = [len(d) for d, _ in self.train if d is loader]
+            streams = [s for s in self.streams if s.loader is loader]
+            if not sampled and not streams:
+                return None
+            lengths += sampled or [data_streams.length(
+                streams[0], self.strategy.dp_size, data_streams.position(trainer, streams[0], self.first_step),
+                micro_done)]
+        return lengths if any(n != float("inf") for n in lengths) else None
 
     def _restart_workers(self, trainer: "pl.Trainer") -> None:
         """DataLoader workers read ahead under the old split: start the iterator again, discarding that."""
@@ -258,7 +257,7 @@ class DataSplit:
             self._resplit(trainer, self.strategy.dp_size, self.strategy.dp_rank,
                           trainer.global_step - self.first_step, ready)
             self._restart_workers(trainer)
-            self._lengths(trainer)
+            self._lengths(trainer, stream_done=ready)
         return True
 
     def on_epoch_start(self, trainer: "pl.Trainer") -> bool:
@@ -270,6 +269,9 @@ class DataSplit:
         self.first_step = trainer.global_step
         if self.owned:
             self._keep_global_batch(trainer)
+        for stream in self.streams:  # a finite stream's next epoch; an endless one goes on from the steps taken
+            data_streams.resplit(stream, self.strategy.dp_size, self.strategy.dp_rank,
+                                 data_streams.position(trainer, stream, self.first_step))
         self._lengths(trainer)
         return False
 
@@ -291,7 +293,7 @@ class DataSplit:
         if self.train:
             state["samplers"] = [s.state_dict() for _, s in self.train]
         if self.streams:
-            state["streams"] = [{"global_batch_size": s.global_batch_size} for s in self.streams]
+            state["streams"] = [data_streams.state(s) for s in self.streams]
         return state
 
     def load_state_dict(self, state: dict) -> None:
