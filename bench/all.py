@@ -4,6 +4,7 @@
     python bench/all.py --only soak       # optional, not in the default run (about 15 minutes on 2 cores)
     python bench/all.py --only lost_time  # optional (27 to 46 minutes on 2 cores)
     python bench/all.py --only first_step # optional (2 minutes)
+    python bench/all.py --only launchers  # optional (about 10 minutes: a node arriving under torchrun, three ways)
     python bench/all.py --only first_touch # optional (1.5 minutes)
     python bench/all.py --only chaos      # optional (about 8 minutes: 8 seeds of 8 switches and a death)
 
@@ -41,6 +42,7 @@ OPTIONAL = {
     "lost_time": ["bench/lost_time.py", "--model", "125m", "--seq-len", "32", "--repeats", "5", "--json",
                   "bench/results/lost_time/125m.json"],
     "first_step": ["bench/first_step.py", "--json", "bench/results/first_step.json"],
+    "launchers": ["bench/launchers.py", "--model", "125m", "--json", "bench/results/launchers/125m.json"],
     "first_touch": ["bench/first_touch.py", "--model", "125m", "--repeats", "6", "--json",
                     "bench/results/first_touch.json"],
 }

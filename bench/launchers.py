@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dynatrain.launcher import kill_group
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = str(HERE / "_torchrun_worker.py")
@@ -89,15 +91,17 @@ class Nodes:
                     self.log(i)[-2000:] for i in range(len(self.agents))))
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        import signal
+    def start_two(self, warmup: int, timeout: float) -> None:
+        """The first two nodes (the first serves the store), trained to step ``warmup``."""
+        self.start()
+        self.wait(self.serving, "store", 120)
+        self.start()
+        self.wait(lambda: any(m["step"] >= warmup for m in self.marks()), "warm-up", timeout)
 
+    def stop(self) -> None:
         for agent in self.agents:
             if agent.poll() is None:
-                try:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_group(agent.pid)
                 agent.wait()
 
 
@@ -125,10 +129,7 @@ def lost_time(marks: list[dict], t0: float, after: int, steady: int) -> dict:
 def run_dynatrain(args, out: Path) -> dict:
     nodes = Nodes(out, "dynatrain", worker_args(args))
     try:
-        nodes.start()
-        nodes.wait(nodes.serving, "store", 120)
-        nodes.start()
-        nodes.wait(lambda: any(m["step"] >= args.warmup for m in nodes.marks()), "warm-up", args.timeout)
+        nodes.start_two(args.warmup, args.timeout)
         t0 = nodes.start()
         nodes.wait(lambda: sum(m["world"] == 3 for m in nodes.marks()) >= args.after + args.steady + 1,
                    "steps on three processes", args.timeout)
@@ -145,10 +146,7 @@ def run_dynatrain(args, out: Path) -> dict:
 def run_c10d(args, out: Path) -> dict:
     nodes = Nodes(out, "c10d", worker_args(args), rdzv_conf="last_call_timeout=1")
     try:
-        nodes.start()
-        nodes.wait(nodes.serving, "store", 120)
-        nodes.start()
-        nodes.wait(lambda: any(m["step"] >= args.warmup for m in nodes.marks()), "warm-up", args.timeout)
+        nodes.start_two(args.warmup, args.timeout)
         t0 = nodes.start()
         nodes.wait(lambda: all("closing signal SIGTERM" in nodes.log(i) for i in range(2)), "workers stopped", 120)
         stopped = time.time() - t0
@@ -170,10 +168,7 @@ def run_restart(args, out: Path) -> dict:
     second = Nodes(out / "second", "c10d", [*worker_args(args), "--resume", str(out / "first" / "ckpt")],
                    rdzv_conf="last_call_timeout=1")
     try:
-        first.start()
-        first.wait(first.serving, "store", 120)
-        first.start()
-        first.wait(lambda: any(m["step"] >= args.warmup for m in first.marks()), "warm-up", args.timeout)
+        first.start_two(args.warmup, args.timeout)
         # The arrival, at a step boundary: every worker saves, then torchrun's restart stops them all.
         t0 = time.time()
         first.control(save_at=first.marks()[-1]["step"] + 1, stop_at=first.marks()[-1]["step"] + 1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from _launch import python_path
+from dynatrain.launcher import kill_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 pytest.importorskip("transformers")
@@ -120,10 +121,7 @@ class Job:
     def kill(self) -> None:
         for agent in self.agents:
             if agent.poll() is None:
-                try:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                kill_group(agent.pid)
                 agent.wait()
 
 
@@ -239,7 +237,7 @@ def test_under_torchrun_s_c10d_backend_the_same_arrival_stops_every_running_work
     the whole group again (`num_nodes_waiting() > 0`): the progress since the last checkpoint is lost, and on this
     machine the re-rendezvous that should follow fails (torch 2.13; docs/launchers.md). The dynatrain backend exists
     to avoid exactly this."""
-    run = job("c10d", backend="c10d")
+    run = job("c10d", backend="c10d", extra=("--rdzv-conf", "last_call_timeout=1"))
     run.start_first()
     run.start()
     run.wait_until(lambda: run.step_reached(3), "step 3 on two processes")
