@@ -137,8 +137,10 @@ def run_dynatrain(args, out: Path) -> dict:
         for a in nodes.agents:
             a.wait(timeout=args.timeout)
         marks = nodes.marks()
+        switches = [json.loads(x) for x in (out / "switches.jsonl").read_text().splitlines()] \
+            if (out / "switches.jsonl").exists() else []
         return {"way": "dynatrain", "t0": t0, "exit_codes": [a.returncode for a in nodes.agents], "marks": marks,
-                **lost_time(marks, t0, args.after, args.steady)}
+                "switches": switches, **lost_time(marks, t0, args.after, args.steady)}
     finally:
         nodes.stop()
 

@@ -31,9 +31,11 @@ def _params(endpoint: str, run_id: str = "job", min_nodes: int = 1, max_nodes: i
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("DYNATRAIN_TOKEN", "DYNATRAIN_ENDPOINT", "DYNATRAIN_JOIN", "DYNATRAIN_ELASTIC", RDZV_ENV,
-                 "TORCH_ELASTIC_WORKER_IDENTICAL"):
-        monkeypatch.delenv(name, raising=False)
+    """The handler hands its workers the job through the agent's environment: here that is pytest's own, which the
+    processes later tests start inherit. Set, then removed, each is put back as it was (absent) after the test."""
+    for name in ("DYNATRAIN_TOKEN", "DYNATRAIN_ENDPOINT", "DYNATRAIN_JOIN", "DYNATRAIN_ELASTIC", RDZV_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
@@ -167,3 +169,4 @@ def test_the_launcher_s_callback_stands_down_for_the_user_s(clean_env, tmp_path)
     clean_env.delenv(RDZV_ENV)
     assert launcher_callbacks() == []
     assert not ElasticCallback().arrivals and ElasticCallback().preemption is None
+

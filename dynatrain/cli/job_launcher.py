@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV, initial_member
+from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, FINISHED_KEY, REJOIN_ENV, TOKEN_ENV, initial_member
 from dynatrain.elastic.priority import DEFAULT_STANDBY_NICE, check_amount
 from dynatrain.threads import launch_env
 
@@ -180,7 +180,7 @@ class ElasticLauncher:
         try:
             for rank in range(devices):
                 self._start_member(rank, devices, argv)
-            self._refill()
+            self._refill(store)
             rc = self._watch(store)
             left = self._wind_down() if rc else devices
             snapshots = store.get(SNAPSHOTS_KEY).decode() if store.check([SNAPSHOTS_KEY]) else None
@@ -222,9 +222,9 @@ class ElasticLauncher:
     def _alive(self, kind: str | None = None) -> list[subprocess.Popen]:
         return [p for p, k in self.procs.values() if p.poll() is None and (kind is None or k == kind)]
 
-    def _refill(self) -> None:
-        if any(p.poll() == 0 for p, k in self.procs.values() if k == "member"):
-            return  # a member finished training: the job is ending, no process will join it any more
+    def _refill(self, store) -> None:
+        if store.check([FINISHED_KEY]) or any(p.poll() == 0 for p, k in self.procs.values() if k == "member"):
+            return  # training ended (a standby that waited exits): the job is ending, no process will join it any more
         while len(self._alive("standby")) < self.standby and len(self._alive()) < self.max_devices:
             self._start_standby()
 
@@ -264,5 +264,5 @@ class ElasticLauncher:
                 return 1
             if all(p.poll() is not None for p, _ in members):
                 return 0
-            self._refill()
+            self._refill(store)
             time.sleep(0.5)
