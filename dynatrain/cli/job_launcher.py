@@ -111,6 +111,7 @@ class ElasticLauncher:
                 raise ValueError(f"--elastic.{name} must be at least 1, got {opts[name]}: a job cannot run on no "
                                  "device")
         self.devices = opts.get("devices") or _config_devices(argv) or 1
+        self.store = None  # the job's, while it runs
         self.max_devices = opts.get("max_devices") or self.devices
         if self.devices > self.max_devices:
             raise ValueError(f"--elastic.devices {self.devices} is above --elastic.max_devices {self.max_devices}")
@@ -163,7 +164,7 @@ class ElasticLauncher:
         token_file.write_text(token)
         token_file.chmod(0o600)
         store_proc = start_store(token, self.workdir, host=self.host)
-        store = connect(store_proc.endpoint, token)
+        store = self.store = connect(store_proc.endpoint, token)
         argv = [*self.argv, "--trainer.devices", str(devices)]
         if resume is not None:
             # The layout the job had may not fit the processes left: let the strategy pick one for them.
@@ -180,7 +181,7 @@ class ElasticLauncher:
         try:
             for rank in range(devices):
                 self._start_member(rank, devices, argv)
-            self._refill(store)
+            self._refill()
             rc = self._watch(store)
             left = self._wind_down() if rc else devices
             snapshots = store.get(SNAPSHOTS_KEY).decode() if store.check([SNAPSHOTS_KEY]) else None
@@ -222,8 +223,9 @@ class ElasticLauncher:
     def _alive(self, kind: str | None = None) -> list[subprocess.Popen]:
         return [p for p, k in self.procs.values() if p.poll() is None and (kind is None or k == kind)]
 
-    def _refill(self, store) -> None:
-        if store.check([FINISHED_KEY]) or any(p.poll() == 0 for p, k in self.procs.values() if k == "member"):
+    def _refill(self) -> None:
+        finished = self.store is not None and self.store.check([FINISHED_KEY])
+        if finished or any(p.poll() == 0 for p, k in self.procs.values() if k == "member"):
             return  # training ended (a standby that waited exits): the job is ending, no process will join it any more
         while len(self._alive("standby")) < self.standby and len(self._alive()) < self.max_devices:
             self._start_standby()
@@ -264,5 +266,5 @@ class ElasticLauncher:
                 return 1
             if all(p.poll() is not None for p, _ in members):
                 return 0
-            self._refill(store)
+            self._refill()
             time.sleep(0.5)
