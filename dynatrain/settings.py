@@ -44,6 +44,7 @@ _SETTINGS = (
             "HOST:PORT of the elastic job's store"),
     Setting("DYNATRAIN_TOKEN",
             ("dynatrain.elastic.manager:ElasticConfig.token", "dynatrain.cli.join --token",
+             "dynatrain.elastic.rendezvous_handler:resolve_token.token_file",
              "dynatrain.cli.join --token-file", "dynatrain.cli.scale --token",
              "dynatrain.callbacks.rescale:ElasticCallback.control"),
             "the elastic job's token (its store), and the default token of ElasticCallback's control endpoint"),

@@ -29,6 +29,7 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
 from dynatrain.elastic.store import check_token, parse_endpoint, serve_in_process
 from dynatrain.elastic.rendezvous import BACKEND, RDZV_ENV
+from dynatrain.settings import explicit_or_env
 
 LOGGER = logging.getLogger("dynatrain.elastic")
 # torchrun's agents wait here for one another when their workers are done (`SimpleElasticAgent._exit_barrier`).
@@ -53,21 +54,19 @@ def _is_this_host(host: str) -> bool:
     return _matches_machine_hostname(host)
 
 
-def resolve_token(token_file: str | None, env: dict | None = None) -> str | None:
+def resolve_token(token_file: str | None) -> str | None:
     """The job's token: ``$DYNATRAIN_TOKEN``, else the first line of ``token_file``; None when neither gives one."""
-    env = os.environ if env is None else env
-    if env.get(TOKEN_ENV):
-        return env[TOKEN_ENV]
-    if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as e:
-            raise ValueError(f"--rdzv-conf token_file={token_file}: cannot read it ({e.strerror}); give a file "
-                             "that holds the job's token, or set $DYNATRAIN_TOKEN") from None
-        if not token:
-            raise ValueError(f"--rdzv-conf token_file={token_file} is empty: write the job's token into it")
+    token = explicit_or_env(None, TOKEN_ENV)
+    if token or not token_file:
         return token
-    return None
+    try:
+        token = Path(token_file).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"--rdzv-conf token_file={token_file}: cannot read it ({e.strerror}); give a file "
+                         "that holds the job's token, or set $DYNATRAIN_TOKEN") from None
+    if not token:
+        raise ValueError(f"--rdzv-conf token_file={token_file} is empty: write the job's token into it")
+    return token
 
 
 class DynaTrainRendezvousHandler(RendezvousHandler):
@@ -99,10 +98,11 @@ class DynaTrainRendezvousHandler(RendezvousHandler):
         self.is_host, self.local_addr = is_host, local_addr
         self._store = None
         self._round: tuple[object, int] | None = None  # (the round's store, its agents): for the exit barrier
-        self._rounds = 0  # rounds this agent entered: a second one is torchrun restarting its failed workers
         self._leaving = False
         self._closed = False
-        self._seqs: list[int] = []  # this agent's arrival numbers, one per round it entered
+        # This agent's arrival numbers, one per round it entered: a second round is torchrun restarting its failed
+        # workers, which rejoin.
+        self._seqs: list[int] = []
         self._serving = False
         self.linger = linger
 
@@ -173,8 +173,7 @@ class DynaTrainRendezvousHandler(RendezvousHandler):
         seq = store.add("rdzv/arrivals", 1)
         self._seqs.append(seq)
         first = self._first_round_size(store)
-        self._rounds += 1
-        if seq <= first and self._rounds == 1:
+        if seq <= first and len(self._seqs) == 1:
             round_store, rank, size = dist.PrefixStore("rdzv/round/first", store), seq - 1, first
             join = False
         else:
