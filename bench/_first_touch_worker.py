@@ -18,7 +18,7 @@ import dynatrain.planner.groups as groups
 
 from _raw_p2p import budget_exchange, pair_bytes, raw_exchange  # this folder
 from dynatrain.engine import allocate_destinations, run_transition, torch_dtype
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.vps import ParallelConfig

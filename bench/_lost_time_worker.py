@@ -37,9 +37,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 import dynatrain  # noqa: E402
 from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
-from dynatrain.launcher import finish_rank  # noqa: E402
-from dynatrain.llama_lm import LlamaLM  # noqa: E402
-from dynatrain.memory import resident_bytes  # noqa: E402
+from dynatrain.launch.local import finish_rank  # noqa: E402
+from dynatrain.lm.causal_lm import LlamaLM  # noqa: E402
+from dynatrain.runtime.memory import resident_bytes  # noqa: E402
 from dynatrain.vps.parallel_config import ParallelConfig  # noqa: E402
 
 T_IMPORTED = time.time()

@@ -11,8 +11,8 @@ import warnings
 import lightning.pytorch as pl
 
 import dynatrain
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.vps.parallel_config import ParallelConfig
 from _trainer import bench_data, bench_trainer  # this folder
 

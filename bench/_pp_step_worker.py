@@ -17,8 +17,8 @@ from torch.distributed.pipelining.schedules import Schedule1F1B
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import CausalLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import CausalLM
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.llama import Transformer
 from dynatrain.models.stage_split import stage_split

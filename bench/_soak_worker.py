@@ -29,9 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
-from dynatrain.memory import malloc_figures, trim_heap
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
+from dynatrain.runtime.memory import malloc_figures, trim_heap
 from dynatrain.models.configs import get_model_config
 from dynatrain.models.llama import Transformer
 from dynatrain.vps.parallel_config import ParallelConfig

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from dynatrain.launcher import LaunchError, log_tails
+from dynatrain.launch.local import LaunchError, log_tails
 
 
 class Spawner:

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import dynatrain
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 from dynatrain.data import LlamaDataModule
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.lm.causal_lm import LlamaLM
 from _trainer import bench_trainer  # this folder
 
 warnings.filterwarnings("ignore")

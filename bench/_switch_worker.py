@@ -21,14 +21,14 @@ from torch.distributed.tensor import DTensor
 
 import dynatrain
 from dynatrain.switch.in_world import planner_rank_map
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 import dynatrain.engine as engine_mod
 from dynatrain.engine import wire
 from dynatrain.engine.transition import states_kept_in_place
 from dynatrain.engine.wire import box_view, recv_staged, send_staged, slots, split_message
 from dynatrain.data import LlamaDataModule
 from dynatrain.engine import torch_dtype
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.models.specs import rule_for_param

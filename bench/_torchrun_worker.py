@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.llama_lm import CausalLM
+from dynatrain.lm.causal_lm import CausalLM
 
 
 class Marks(pl.Callback):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from dynatrain.data import LlamaDataModule
-from dynatrain.memory import freeze_import_time_objects
+from dynatrain.runtime.memory import freeze_import_time_objects
 
-# As `dynatrain fit` does: a switch's collections skip the libraries' objects (see `dynatrain.memory`).
+# As `dynatrain fit` does: a switch's collections skip the libraries' objects (see `dynatrain.runtime.memory`).
 freeze_import_time_objects()
 
 

@@ -11,8 +11,8 @@ import lightning.pytorch as pl  # noqa: E402
 
 import dynatrain  # noqa: E402
 from _trainer import bench_data, bench_trainer  # noqa: E402
-from dynatrain.launcher import finish_rank  # noqa: E402
-from dynatrain.llama_lm import LlamaLM  # noqa: E402
+from dynatrain.launch.local import finish_rank  # noqa: E402
+from dynatrain.lm.causal_lm import LlamaLM  # noqa: E402
 
 
 class Chain(pl.Callback):

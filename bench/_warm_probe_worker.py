@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 from dynatrain.models.configs import get_model_config
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import apply_tp, init_mesh

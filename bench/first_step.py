@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynatrain.launcher import launch_local
+from dynatrain.launch.local import launch_local
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_first_step_worker.py")

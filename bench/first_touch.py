@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dynatrain.launcher import launch_local
+from dynatrain.launch.local import launch_local
 
 WORKER = str(Path(__file__).resolve().parent / "_first_touch_worker.py")
 RUNS = {"same-world": ("same-world,same-world-back", 2), "scale-out": ("scale-out", 4)}  # name -> (cases, processes)

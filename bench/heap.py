@@ -1,4 +1,4 @@
-"""Training steps with and without dynatrain's heap settings (`dynatrain.memory.heap_env`), in one run.
+"""Training steps with and without dynatrain's heap settings (`dynatrain.runtime.memory.heap_env`), in one run.
 
     python bench/heap.py --model 125m --repeats 3 --json bench/results/heap/steps_125m.json
 
@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynatrain.launcher import launch_local
-from dynatrain.memory import HEAP_ENV, TUNABLES_ENV
+from dynatrain.launch.local import launch_local
+from dynatrain.runtime.memory import HEAP_ENV, TUNABLES_ENV
 
 HERE = Path(__file__).resolve().parent
 WAYS = {

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dynatrain.launcher import kill_group
+from dynatrain.launch.local import kill_group
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -38,8 +38,8 @@ def _worker(args) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from dynatrain.launcher import finish_rank
-    from dynatrain.llama_lm import _VocabParallel, _cross_entropy
+    from dynatrain.launch.local import finish_rank
+    from dynatrain.lm.causal_lm import _VocabParallel, _cross_entropy
     from dynatrain.models.configs import MODEL_CONFIGS
     from dynatrain.models.llama import Transformer
     from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
@@ -127,7 +127,7 @@ def main() -> int:
     if args.worker:
         _worker(args)
         return 0
-    from dynatrain.launcher import launch_local
+    from dynatrain.launch.local import launch_local
     from dynatrain.vps.parallel_config import ParallelConfig
 
     rows = []

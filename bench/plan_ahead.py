@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynatrain.launcher import PRELOAD, launch_local
+from dynatrain.launch.local import PRELOAD, launch_local
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_plan_ahead_worker.py")

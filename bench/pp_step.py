@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from dynatrain.launcher import launch_local
+from dynatrain.launch.local import launch_local
 
 HERE = Path(__file__).resolve().parent
 

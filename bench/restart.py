@@ -34,7 +34,7 @@ from pathlib import Path
 from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
-from dynatrain.launcher import LaunchError, joiner_env, launch_local
+from dynatrain.launch.local import LaunchError, joiner_env, launch_local
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_restart_worker.py")

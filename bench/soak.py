@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from dynatrain.launcher import launch_local  # noqa: E402
+from dynatrain.launch.local import launch_local  # noqa: E402
 
 MiB = 2**20
 # Every same-world layout of the 2-layer debug model on 4 processes, each step a different kind of change.

@@ -116,7 +116,7 @@ def run_once(mode: str, args, work: Path, index: int) -> dict:
            "--elastic.workdir", str(run_dir / "elastic")]
     if mode == "pool":
         cmd += ["--elastic.standby", "2"]
-    from dynatrain.cli.job_launcher import standby_env
+    from dynatrain.launch.job import standby_env
     from dynatrain.elastic.manager import ELASTIC_ENV
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DYNATRAIN_STALL_DIR": str(run_dir / "reports"),
@@ -135,7 +135,7 @@ def run_once(mode: str, args, work: Path, index: int) -> dict:
                     token_file = str(ROOT / token_file)
             if mode == "cold" and "trace request devices=4" in line and endpoint:
                 # Cold joiners: fresh interpreters started now, with the environment the launcher gives its own
-                # standby processes (`job_launcher.standby_env`: the job's elastic config, one thread until
+                # standby processes (`launch.job.standby_env`: the job's elastic config, one thread until
                 # admitted), on the two devices the leavers freed.
                 jenv = {**env, ELASTIC_ENV: json.dumps({"max_devices": 4, "join_timeout": 300.0,
                                                         "timeout": 120.0}), "PYTHONUNBUFFERED": "1"}

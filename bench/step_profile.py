@@ -33,8 +33,8 @@ def rank_main(args) -> None:
 
     import dynatrain
     from dynatrain.data import LlamaDataModule
-    from dynatrain.launcher import finish_rank
-    from dynatrain.llama_lm import LlamaLM
+    from dynatrain.launch.local import finish_rank
+    from dynatrain.lm.causal_lm import LlamaLM
     from _trainer import bench_trainer  # this folder
 
     warnings.filterwarnings("ignore")
@@ -130,7 +130,7 @@ def main() -> int:
     if args.out:
         rank_main(args)
         return 0
-    from dynatrain.launcher import launch_local
+    from dynatrain.launch.local import launch_local
 
     runs: dict[str, list] = {"dynatrain": [], "lightning": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynatrain.launcher import launch_local
+from dynatrain.launch.local import launch_local
 
 HERE = Path(__file__).resolve().parent
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dynatrain.launcher import launch_local
+from dynatrain.launch.local import launch_local
 
 HERE = Path(__file__).resolve().parent
 MiB = 2**20

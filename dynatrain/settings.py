@@ -65,16 +65,16 @@ _SETTINGS = (
             ("dynatrain.elastic.store --token", "dynatrain.elastic.store:start_store.token"),
             "the token of `python -m dynatrain.elastic.store`"),
     Setting("DYNATRAIN_GC_FREEZE",
-            ("dynatrain.memory:freeze_import_time_objects.enabled", "dynatrain.cli.process_flags --no-gc-freeze",
+            ("dynatrain.runtime.memory:freeze_import_time_objects.enabled", "dynatrain.cli.process_flags --no-gc-freeze",
              "dynatrain.cli.process_flags --gc-freeze"),
             "'0': the entry points leave the import-time objects visible to the cycle collector"),
     Setting("DYNATRAIN_HEAP",
-            ("dynatrain.cli.process_flags --heap", "dynatrain.memory:heap_env.heap", "dynatrain.launcher:rank_env.heap",
-             "dynatrain.launcher:joiner_env.heap", "dynatrain.launcher:launch_local.heap",
-             "dynatrain.launcher:launch_elastic.heap"),
+            ("dynatrain.cli.process_flags --heap", "dynatrain.runtime.memory:heap_env.heap", "dynatrain.launch.local:rank_env.heap",
+             "dynatrain.launch.local:joiner_env.heap", "dynatrain.launch.local:launch_local.heap",
+             "dynatrain.launch.local:launch_elastic.heap"),
             "'reuse' (default): the glibc heap settings of the processes dynatrain starts; 'glibc': glibc's own"),
     Setting("DYNATRAIN_THREADS",
-            ("dynatrain.elastic.manager:ElasticConfig.split_threads", "dynatrain.threads:resplit.split"),
+            ("dynatrain.elastic.manager:ElasticConfig.split_threads", "dynatrain.runtime.threads:resplit.split"),
             "'split': dynatrain chose this process's intra-op thread count (its launchers mark a process started "
             "without OMP_NUM_THREADS) and splits the host's cores again after every world change"),
     Setting("DYNATRAIN_VERBOSE",
@@ -84,6 +84,9 @@ _SETTINGS = (
 )
 
 SETTINGS: dict[str, Setting] = {s.env: s for s in _SETTINGS}
+
+RDZV_ENV = "DYNATRAIN_RDZV"
+RDZV_BACKEND = "dynatrain"  # torchrun's --rdzv-backend name, and the value its agent gives RDZV_ENV
 
 
 def explicit_or_env(value: T | None, name: str, parse: Callable[[str], T] = str,

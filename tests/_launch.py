@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dynatrain.launcher import PRELOAD, LaunchError, launch_local
-from dynatrain.launcher import launch_elastic as launch_elastic_local
+from dynatrain.launch.local import PRELOAD, LaunchError, launch_local
+from dynatrain.launch.local import launch_elastic as launch_elastic_local
 
 WORKERS = Path(__file__).parent / "workers"
 REPO = Path(__file__).resolve().parent.parent

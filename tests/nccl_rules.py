@@ -3,8 +3,8 @@
 Every test process (the pytest process and, through `tests/nccl_site/sitecustomize.py`, every Python process a
 test starts) runs its collectives through these rules:
 
-1. **Metadata on the control group, and only there.** A collective issued by `dynatrain.control` must name a
-   control group (a gloo group `dynatrain.control.new_control_group` made); a control group carries nothing else.
+1. **Metadata on the control group, and only there.** A collective issued by `dynatrain.runtime.control_group` must name a
+   control group (a gloo group `dynatrain.runtime.control_group.new_control_group` made); a control group carries nothing else.
    On CUDA the training groups are NCCL, which refuses the CPU tensors metadata travels in.
 2. **Device tensors on training groups.** Every tensor handed to a training group is on the device type named by
    ``$DYNATRAIN_NCCL_RULES_DEVICE`` (default: its backend's, cuda for NCCL and cpu for gloo, so CPU ranks on a CUDA
@@ -115,10 +115,10 @@ def _name(dist, group) -> str:
 def _check(dist, op: str, group, tensors: list, from_control: bool) -> None:
     name = _name(dist, group)
     if from_control and name not in _world["control"]:
-        _breach(f"{op} from dynatrain.control on group {name!r}, a training group: metadata belongs on the "
+        _breach(f"{op} from dynatrain.runtime.control_group on group {name!r}, a training group: metadata belongs on the "
                 "control group (NCCL refuses its CPU tensors)")
     if not from_control and name in _world["control"]:
-        _breach(f"{op} on the control group from outside dynatrain.control: training traffic belongs on the "
+        _breach(f"{op} on the control group from outside dynatrain.runtime.control_group: training traffic belongs on the "
                 "training groups")
     _counts["control" if name in _world["control"] else "host" if name in _world["host"] else "training"] += 1
     want = "cpu" if name in _world["host"] else _device_type(dist, group)

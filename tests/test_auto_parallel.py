@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from dynatrain.models.auto_parallel import AutoOptions, find_blocks, mp_policy_for, parallelize_auto, tied_groups
-from dynatrain.models.plan_tp import expand, model_plan
+from dynatrain.models.tp_from_plan import expand, model_plan
 from dynatrain.switch.module_copy import meta_copy
 from dynatrain.switch.probe import probe_mesh
 from dynatrain.vps.parallel_config import ParallelConfig

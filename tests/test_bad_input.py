@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from dynatrain.signals import control as signals
+from dynatrain.signals import control_server as signals
 from tests._launch import replace_file, wait_for
 from dynatrain.signals import ControlServer, FileSource, SignalHub
 from dynatrain.models.configs import get_model_config

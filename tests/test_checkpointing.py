@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dynatrain.models.checkpointing import ActivationCheckpointing, apply_ac, is_checkpointed
 from dynatrain.models.llama import Transformer
 from dynatrain.models.moe import MoETransformer
-from dynatrain.models.pipeline import split_model
+from dynatrain.models.pipeline_split import split_model
 from dynatrain.models.specs import get_zoo_config
 
 
@@ -87,7 +87,7 @@ def test_a_model_without_blocks_is_refused_with_what_to_do():
 def test_the_op_policy_with_expert_parallelism_is_refused_with_what_to_use():
     from types import SimpleNamespace
 
-    from dynatrain.moe_lm import parallelize_for
+    from dynatrain.lm.moe_load import parallelize_for
     from dynatrain.vps.parallel_config import ParallelConfig
 
     strategy = SimpleNamespace(activation_checkpointing=ActivationCheckpointing.parse("selective:op"))

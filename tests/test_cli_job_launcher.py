@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dynatrain.cli import main
-from dynatrain.cli.job_launcher import split_elastic_args
+from dynatrain.launch.job import split_elastic_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def _committed(root: Path, step: int) -> Path:
 
 
 def test_a_failed_job_restarts_from_its_latest_snapshot_on_the_processes_left(tmp_path, monkeypatch):
-    from dynatrain.cli.job_launcher import ElasticLauncher
+    from dynatrain.launch.job import ElasticLauncher
 
     snapshots = tmp_path / "snapshots"
     _committed(snapshots, 2)
@@ -167,7 +167,7 @@ def test_a_failed_job_restarts_from_its_latest_snapshot_on_the_processes_left(tm
 def test_after_a_failure_the_processes_killed_from_outside_do_not_count(monkeypatch):
     from types import SimpleNamespace
 
-    from dynatrain.cli.job_launcher import ElasticLauncher
+    from dynatrain.launch.job import ElasticLauncher
 
     def proc(code):
         return SimpleNamespace(poll=lambda: code, returncode=code)

@@ -1,10 +1,10 @@
 """Training's groups take the device's backend (NCCL on CUDA, as Lightning chooses); metadata has a gloo group of
-its own (`dynatrain.control`), whose functions are the identity of a world of one."""
+its own (`dynatrain.runtime.control_group`), whose functions are the identity of a world of one."""
 
 import torch
 
 import dynatrain
-from dynatrain import control
+from dynatrain.runtime import control_group
 
 
 def _on(device: str, **kwargs):
@@ -21,10 +21,10 @@ def test_training_groups_take_the_device_backend_and_a_named_one_is_kept():
 
 
 def test_the_control_channel_without_a_world_returns_this_process_values():
-    assert control.new_control_group() is None
-    assert control.all_reduce_ints([3, -4], None) == [3, -4]
-    assert control.all_reduce_floats([0.5], None) == [0.5]
-    assert control.all_gather_ints([1, 2], None) == [[1, 2]]
-    assert control.all_gather_object({"a": (1, "x")}, None) == [{"a": (1, "x")}]
+    assert control_group.new_control_group() is None
+    assert control_group.all_reduce_ints([3, -4], None) == [3, -4]
+    assert control_group.all_reduce_floats([0.5], None) == [0.5]
+    assert control_group.all_gather_ints([1, 2], None) == [[1, 2]]
+    assert control_group.all_gather_object({"a": (1, "x")}, None) == [{"a": (1, "x")}]
     data = torch.arange(5, dtype=torch.uint8)
-    assert torch.equal(control.all_gather_bytes(data, None), data)
+    assert torch.equal(control_group.all_gather_bytes(data, None), data)

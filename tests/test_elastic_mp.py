@@ -2,7 +2,7 @@
 
 import pytest
 
-from dynatrain.threads import share
+from dynatrain.runtime.threads import share
 from tests._launch import launch, launch_elastic
 
 pytestmark = pytest.mark.multiprocess

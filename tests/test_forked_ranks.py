@@ -14,7 +14,7 @@ import pytest
 
 from _launch import wait_for
 
-from dynatrain.launcher import LaunchError, launch_local
+from dynatrain.launch.local import LaunchError, launch_local
 
 PROBE = Path(__file__).parent / "workers" / "forked_probe.py"
 LIGHT = ("xml.dom.minidom",)  # a module no probe imports: it is there only if the rank was forked after preloading
@@ -83,7 +83,7 @@ def test_a_preload_that_cannot_be_imported_is_reported(tmp_path, keep):
 
 
 def test_at_most_two_zygotes_are_kept_and_the_least_recently_used_one_ends(tmp_path):
-    from dynatrain import launcher
+    from dynatrain.launch import local as launcher
 
     def ended(pid: int) -> bool:  # gone, or a zombie of this process's
         try:
@@ -105,7 +105,7 @@ def test_closing_a_served_launch_whose_group_just_ended_waits_for_its_status(tmp
     import threading
     from types import SimpleNamespace
 
-    from dynatrain.launcher import _ServedLaunch
+    from dynatrain.launch.local import _ServedLaunch
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     ended.wait()  # reaped: its process group is gone
@@ -131,7 +131,7 @@ def _ended(pid: int) -> bool:
 @KEEP
 def test_the_ranks_of_a_launch_end_when_its_caller_is_killed(tmp_path, keep):
     hang = tmp_path / "pid"
-    code = (f"from dynatrain.launcher import launch_local; launch_local([{str(PROBE)!r}, '--hang', {str(hang)!r}], 2, "
+    code = (f"from dynatrain.launch.local import launch_local; launch_local([{str(PROBE)!r}, '--hang', {str(hang)!r}], 2, "
             f"__import__('pathlib').Path({str(tmp_path)!r}), timeout=120, preload={LIGHT!r}, keep_zygote={keep})")
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path)
     try:
@@ -149,7 +149,7 @@ def test_a_launch_on_a_port_used_before_in_its_folder_reports_its_own_ranks(tmp_
     launch's results and exit statuses under the same names must not pass for its own."""
     import json
 
-    from dynatrain import launcher
+    from dynatrain.launch import local as launcher
 
     script = tmp_path / "says.py"
     script.write_text("import argparse, json, os\nap = argparse.ArgumentParser()\nap.add_argument('--out')\n"

@@ -1,5 +1,5 @@
 """The heap settings a training process dynatrain starts gets unless ``DYNATRAIN_HEAP=glibc``
-(`dynatrain.memory.heap_env`)."""
+(`dynatrain.runtime.memory.heap_env`)."""
 
 import json
 import platform
@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from dynatrain.launcher import joiner_env, rank_env
-from dynatrain.memory import HEAP_ENV, HEAP_TUNABLES, TUNABLES_ENV, heap_env
+from dynatrain.launch.local import joiner_env, rank_env
+from dynatrain.runtime.memory import HEAP_ENV, HEAP_TUNABLES, TUNABLES_ENV, heap_env
 
 OURS = [f"{k}={v}" for k, v in HEAP_TUNABLES]
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
@@ -161,7 +161,7 @@ def test_with_them_a_thread_reuses_a_block_larger_than_its_own_arena_could_hold(
 
 
 def test_the_heap_is_trimmed_only_past_the_largest_footprint(monkeypatch):
-    from dynatrain import memory
+    from dynatrain.runtime import memory
 
     trims, rss = [], []
     monkeypatch.setattr(memory, "_footprint", [])
@@ -224,7 +224,7 @@ def test_a_warmed_allocator_serves_a_first_step_from_mapped_memory():
 def test_malloc_figures_count_a_block_while_it_is_held_and_a_trim_keeps_it():
     import torch
 
-    from dynatrain.memory import malloc_figures, trim_heap
+    from dynatrain.runtime.memory import malloc_figures, trim_heap
 
     before = malloc_figures()
     block = torch.ones(64 << 20, dtype=torch.uint8)

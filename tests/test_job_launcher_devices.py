@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from dynatrain.cli import job_launcher
-from dynatrain.cli.join import own_device
-from dynatrain.cli.job_launcher import ElasticLauncher, free_device, member_env, standby_env
+from dynatrain.launch import job as job_launcher
+from dynatrain.cli.devices import own_device
+from dynatrain.launch.job import ElasticLauncher, free_device, member_env, standby_env
 
 
 def test_a_member_gets_its_rank_as_its_local_device():

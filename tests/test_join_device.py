@@ -2,7 +2,7 @@
 
 import pytest
 
-from dynatrain.cli.join import own_device
+from dynatrain.cli.devices import own_device
 
 
 def test_the_local_rank_picks_the_gpu_when_no_flag_does():

@@ -1,5 +1,5 @@
 """The supported Lightning range: the check accepts the installed release and refuses one outside the range with a
-message that says what to do; pyproject.toml, the Makefile's LIGHTNING_MIN and dynatrain.lightning_support agree."""
+message that says what to do; pyproject.toml, the Makefile's LIGHTNING_MIN and dynatrain.runtime.lightning_version agree."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import lightning
 import pytest
 
-from dynatrain import lightning_support
-from dynatrain.lightning_support import (LIGHTNING_BELOW, LIGHTNING_MIN, UnsupportedLightningError,
+from dynatrain.runtime import lightning_version
+from dynatrain.runtime.lightning_version import (LIGHTNING_BELOW, LIGHTNING_MIN, UnsupportedLightningError,
                                          check_lightning_version)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,8 @@ def test_releases_outside_the_range_are_refused_with_the_range_and_the_fix(monke
 
 def test_pyproject_admits_exactly_the_supported_range():
     req = _pyproject_lightning_requirement()
-    assert req.replace(" ", "") == lightning_support.LIGHTNING_REQUIREMENT, (
-        f"pyproject.toml says {req!r}, dynatrain/lightning_support.py {lightning_support.LIGHTNING_REQUIREMENT!r}")
+    assert req.replace(" ", "") == lightning_version.LIGHTNING_REQUIREMENT, (
+        f"pyproject.toml says {req!r}, dynatrain/runtime/lightning_version.py {lightning_version.LIGHTNING_REQUIREMENT!r}")
 
 
 def test_the_makefiles_lightning_min_is_pyprojects_lower_bound():

@@ -97,7 +97,7 @@ _FIT = textwrap.dedent("""
     import dynatrain
     from dynatrain.callbacks.reference import ReferenceLoss
     from dynatrain.data import LlamaDataModule
-    from dynatrain.llama_lm import CausalLM
+    from dynatrain.lm.causal_lm import CausalLM
 
     out = sys.argv[1]
     pl.seed_everything(1234, verbose=False)

@@ -14,7 +14,7 @@ from dynatrain.models.moe_configs import MOE_CONFIGS, MoEConfig
 from dynatrain.models.moe_specs import expert_sharding, is_routed_expert
 from dynatrain.models.registry import ModelSpec, get_zoo_config, kinds, register, spec_for, zoo_names
 from dynatrain.models.specs import layout_for_model, model_states
-from dynatrain.models.tp_plan import moe_tp_shard_dim, tp_shard_dim
+from dynatrain.models.tp_styles import moe_tp_shard_dim, tp_shard_dim
 from dynatrain.policy import Workload
 from dynatrain.policy.sizes import ModelSizes, model_sizes
 from dynatrain.policy.step_model import recompute_fraction

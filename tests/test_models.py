@@ -4,7 +4,7 @@ import torch
 from dynatrain.models.configs import MODEL_CONFIGS, ModelConfig, get_model_config
 from dynatrain.models.init import init_slice, rows_per_block
 from dynatrain.models.llama import Transformer
-from dynatrain.models.tp_plan import tp_shard_dim, tp_style
+from dynatrain.models.tp_styles import tp_shard_dim, tp_style
 
 EXPECTED_PARAMS = {  # from the published shapes; the small ones from our own configs
     "llama3-70b": 70.6e9,

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dynatrain import moe_lm  # noqa: E402
+from dynatrain.lm import moe_load  # noqa: E402
 from dynatrain.models.moe_configs import MOE_CONFIGS  # noqa: E402
 from dynatrain.models.moe_specs import moe_block_flops, moe_stage_split  # noqa: E402
 from dynatrain.models.specs import layout_for_model  # noqa: E402
@@ -103,7 +103,7 @@ def test_the_auxiliary_loss_in_backward_gives_the_gradients_of_the_loss_added():
 
 def test_a_stage_reports_its_own_layers_counts_and_auxiliary_loss(one_process_group):
     from dynatrain.models.moe import MoETransformer
-    from dynatrain.models.pipeline import split_model
+    from dynatrain.models.pipeline_split import split_model
 
     with torch.device("meta"):
         model = MoETransformer(FIVE)
@@ -114,15 +114,15 @@ def test_a_stage_reports_its_own_layers_counts_and_auxiliary_loss(one_process_gr
     h = torch.randn(2, 8, FIVE.dim)
     for layer in model.layers.values():
         h = layer(h, model.freqs_cis)
-    counts = moe_lm.local_counts(model)
+    counts = moe_load.local_counts(model)
     assert counts.shape == (5, FIVE.n_experts)
     per_token = 2 * 8 * FIVE.top_k
     assert counts.sum(-1).tolist() == [0, 0, per_token, per_token, 0]
-    aux = moe_lm.stage_aux(model)
+    aux = moe_load.stage_aux(model)
     expected = sum(model.layers[k].moe.aux_loss.detach() for k in ("2", "3"))
     torch.testing.assert_close(aux, expected)
-    moe_lm.apply_load(model, counts * 3)
-    assert moe_lm.local_counts(model).sum() == 0 and moe_lm.stage_aux(model) is None
+    moe_load.apply_load(model, counts * 3)
+    assert moe_load.local_counts(model).sum() == 0 and moe_load.stage_aux(model) is None
     assert model.layers["2"].moe.expert_bias.abs().sum() > 0  # the job's counts moved the held layers' bias
 
 
@@ -133,8 +133,8 @@ def test_the_routers_count_the_steps_micro_batches_only_not_the_shape_inference(
     from torch.distributed.device_mesh import DeviceMesh
 
     from dynatrain.models.moe import MoETransformer
-    from dynatrain.models.pipeline import split_model
-    from dynatrain.strategies.pipeline import PipelineRunner
+    from dynatrain.models.pipeline_split import split_model
+    from dynatrain.strategies.pipeline_runner import PipelineRunner
 
     with torch.device("meta"):
         model = MoETransformer(DEBUG)
@@ -144,11 +144,11 @@ def test_the_routers_count_the_steps_micro_batches_only_not_the_shape_inference(
     mesh = DeviceMesh("cpu", torch.arange(1), mesh_dim_names=("pp",))
     loss = lambda out, target: torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())  # noqa: E731
     runner = PipelineRunner(stages, mesh, "GPipe", loss, torch.device("cpu"),
-                            after_inference=(lambda: moe_lm.reset_counts(model)) if discard else None)
+                            after_inference=(lambda: moe_load.reset_counts(model)) if discard else None)
     tokens = torch.randint(0, DEBUG.vocab_size, (4, 16))
     runner.train_step(tokens, tokens, 2)
     per_step = 4 * 16 * DEBUG.top_k  # every token's top-k choices, once per layer
     first_micro_batch = 2 * 16 * DEBUG.top_k
     expected = per_step if discard else per_step + first_micro_batch
-    assert moe_lm.local_counts(model).sum(-1).tolist() == [expected] * DEBUG.n_layers
+    assert moe_load.local_counts(model).sum(-1).tolist() == [expected] * DEBUG.n_layers
     assert all(layer.moe.aux_forwards == (2 if discard else 3) for layer in model.layers.values())

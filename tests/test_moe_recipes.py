@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynatrain.moe_lm import imbalance, load_metrics, zoo_config
+from dynatrain.lm.moe_load import imbalance, load_metrics, zoo_config
 from dynatrain.vps.parallel_config import ParallelConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -35,7 +35,7 @@ def test_the_rules_refuse_what_nccl_would_and_pass_the_control_group(tmp_path):
         assert row["agreement_on_training_group"].startswith("refused"), row
         assert "metadata belongs on the control group" in row["agreement_on_training_group"]
         assert row["agreement_on_control_group"] == "passed", row
-        assert "from outside dynatrain.control" in row["training_traffic_on_control_group"], row
+        assert "from outside dynatrain.runtime.control_group" in row["training_traffic_on_control_group"], row
         assert "with a tensor on meta: this group takes cpu tensors only" in row["wrong_device_on_training_group"]
         assert "first operation on the fresh group" in row["p2p_first_on_fresh_group"], row
         # Each rank alone sees nothing wrong in its own order: the pairs are compared afterwards.
@@ -53,21 +53,21 @@ def test_this_suite_runs_under_the_rules():
 
 
 # Modules that call torch.distributed's collectives themselves, and why their tensors are device tensors (or their
-# group a gloo one of their own). Metadata goes through dynatrain/control.py; a new call site elsewhere must be
+# group a gloo one of their own). Metadata goes through dynatrain/runtime/control_group.py; a new call site elsewhere must be
 # added here with its reason, which is the review this list forces.
 DEVICE_TRAFFIC = {
-    "dynatrain/control.py": "the control channel itself: CPU tensors on the control group",
+    "dynatrain/runtime/control_group.py": "the control channel itself: CPU tensors on the control group",
     "dynatrain/engine/transition.py": "the switch's bytes: the states' own tensors, on their device",
     "dynatrain/models/expert_parallel.py": "token counts and tokens of the experts, on the activations' device",
     "dynatrain/models/context_parallel.py": "a router's token counts summed over the cp group, on their device",
     "dynatrain/models/parallelize.py": "one device element per mesh group, to connect it before the first step",
-    "dynatrain/strategies/pipeline.py": "the last stage's loss, on the device",
+    "dynatrain/strategies/pipeline_runner.py": "the last stage's loss, on the device",
     "dynatrain/strategies/dynatrain.py": "one device element on a new world's default group: its first operation",
-    "dynatrain/llama_lm.py": "the step's losses and router counts, on the device",
+    "dynatrain/lm/causal_lm.py": "the step's losses and router counts, on the device",
     "dynatrain/callbacks/snapshot.py": "commit flags on the root device; DCP on a gloo group of its own",
     "dynatrain/callbacks/reference.py": "a barrier on a gloo group of its own",
     "dynatrain/elastic/world.py": "a world's barrier before it is destroyed",
-    "dynatrain/launcher.py": "a rank's last barrier",
+    "dynatrain/launch/local.py": "a rank's last barrier",
     "dynatrain/selfcheck/worker.py": "the step's loss, on the device",
     "dynatrain/selfcheck/oracle.py": "the comparison's flag, on the device",
 }
@@ -91,10 +91,10 @@ def test_collectives_outside_the_control_channel_carry_device_tensors_only():
     calls = list(_collective_calls())
     assert calls, "the scan found no collective at all: it no longer reads the sources"
     unlisted = [f"{p}:{line} dist.{op}" for p, line, op in calls if p not in DEVICE_TRAFFIC]
-    assert not unlisted, ("metadata collectives must go through dynatrain.control (a gloo group beside NCCL); "
+    assert not unlisted, ("metadata collectives must go through dynatrain.runtime.control_group (a gloo group beside NCCL); "
                           f"or list the module in DEVICE_TRAFFIC with why its tensors are device tensors: {unlisted}")
     objects = [f"{p}:{line} dist.{op}" for p, line, op in calls if op in OBJECT_COLLECTIVES and
-               p != "dynatrain/control.py"]
+               p != "dynatrain/runtime/control_group.py"]
     assert not objects, ("object collectives stage through the CUDA device on NCCL; use control.all_gather_object: "
                          f"{objects}")
     stale = sorted(set(DEVICE_TRAFFIC) - {p for p, _, _ in calls})

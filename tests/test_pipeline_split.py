@@ -9,9 +9,9 @@ from torch import nn
 
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.llama import Transformer
-from dynatrain.models.pipeline import pipeline_stages, split_model
+from dynatrain.models.pipeline_split import pipeline_stages, split_model
 from dynatrain.models.stage_split import balanced_split, rank_stages, stage_of_layer, stage_split
-from dynatrain.strategies.pipeline import check_pipeline_module, check_schedule, pipeline_batch
+from dynatrain.strategies.pipeline_runner import check_pipeline_module, check_schedule, pipeline_batch
 from dynatrain.vps.placement import Shard, Sharding, sharding_shards
 
 

@@ -622,13 +622,13 @@ def worker(out: str) -> None:
 
     from functools import partial
 
-    from dynatrain import control
+    from dynatrain.runtime import control_group
     from dynatrain.engine import placed_sums
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     # The sums travel on the control group, as in a switch.
-    group = control.new_control_group()
+    group = control_group.new_control_group()
     all_names, compare, reduce = (partial(f, group=group) for f in (placed_sums.all_names, placed_sums.compare,
                                                                      placed_sums.reduce))
     rank = dist.get_rank()

@@ -187,8 +187,8 @@ def test_join_rejoin_and_the_store_take_the_argument_before_the_environment(monk
 def test_thread_split_heap_cache_freeze_and_verbosity_take_the_argument_first(monkeypatch, tmp_path):
     from dynatrain.cli.quiet import VERBOSE_ENV, is_verbose
     from dynatrain.data.corpus import CACHE_ENV, cache_dir
-    from dynatrain.memory import FREEZE_ENV, HEAP_ENV, TUNABLES_ENV, freeze_import_time_objects, heap_env
-    from dynatrain.threads import SPLIT, THREADS_ENV, splits_threads
+    from dynatrain.runtime.memory import FREEZE_ENV, HEAP_ENV, TUNABLES_ENV, freeze_import_time_objects, heap_env
+    from dynatrain.runtime.threads import SPLIT, THREADS_ENV, splits_threads
 
     monkeypatch.setenv(THREADS_ENV, SPLIT)
     assert splits_threads() and not splits_threads(False)
@@ -219,7 +219,7 @@ def test_the_process_flags_win_over_the_environment_and_leave_the_command_line(m
     from dynatrain.cli import main
     from dynatrain.cli.process_flags import take_process_flags
     from dynatrain.cli.quiet import VERBOSE_ENV
-    from dynatrain.memory import FREEZE_ENV, HEAP_ENV
+    from dynatrain.runtime.memory import FREEZE_ENV, HEAP_ENV
 
     monkeypatch.setenv(HEAP_ENV, "reuse")
     monkeypatch.setenv(FREEZE_ENV, "1")
@@ -273,7 +273,7 @@ def test_importing_dynatrain_changes_nothing_but_the_strategy_registration():
 
 
 def test_the_training_entry_point_freezes_before_any_model_and_the_flag_turns_it_off(monkeypatch):
-    from dynatrain.memory import FREEZE_ENV, freeze_import_time_objects
+    from dynatrain.runtime.memory import FREEZE_ENV, freeze_import_time_objects
 
     code = """
         import gc, sys
@@ -297,7 +297,7 @@ def test_the_training_entry_point_freezes_before_any_model_and_the_flag_turns_it
 
 
 def test_the_zygote_of_forked_ranks_freezes_what_it_preloaded(tmp_path):
-    from dynatrain.launcher import launch_local
+    from dynatrain.launch.local import launch_local
 
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent("""

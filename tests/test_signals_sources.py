@@ -16,7 +16,7 @@ import pytest
 
 from dynatrain.cli import main as dynatrain_main
 from dynatrain.signals import ControlServer, FileSource, PreemptionSource, SignalHub, TraceSource, is_loopback
-from dynatrain.signals import control as control_mod
+from dynatrain.signals import control_server as control_mod
 from tests._launch import replace_file, wait_for
 
 TOKEN = "job-token-7f3a"

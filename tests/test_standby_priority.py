@@ -92,7 +92,7 @@ def test_zero_leaves_the_priority_untouched_and_bad_amounts_are_refused(monkeypa
 
 
 def test_the_setting_reaches_the_config_and_the_launcher(monkeypatch):
-    from dynatrain.cli.job_launcher import ElasticLauncher, split_elastic_args
+    from dynatrain.launch.job import ElasticLauncher, split_elastic_args
     from dynatrain.elastic.manager import ElasticConfig
 
     assert ElasticConfig().standby_nice == priority.DEFAULT_STANDBY_NICE == 4

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dynatrain.threads as threads
+import dynatrain.runtime.threads as threads
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager
 from dynatrain.elastic.world import register
-from dynatrain.launcher import joiner_env, rank_env
-from dynatrain.threads import SPLIT, THREADS_ENV, launch_env, mark_if_unset, resplit, share
+from dynatrain.launch.local import joiner_env, rank_env
+from dynatrain.runtime.threads import SPLIT, THREADS_ENV, launch_env, mark_if_unset, resplit, share
 
 
 @pytest.fixture

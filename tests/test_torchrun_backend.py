@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from _launch import python_path
-from dynatrain.launcher import kill_group
+from dynatrain.launch.local import kill_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 pytest.importorskip("transformers")

@@ -29,8 +29,8 @@ def train(args, device: torch.device) -> dict:
     from dynatrain import DynaTrainStrategy
     from dynatrain.callbacks.rescale import ElasticCallback
     from dynatrain.data import LlamaDataModule
-    from dynatrain.llama_lm import LlamaLM
-    from dynatrain.memory import freeze_import_time_objects
+    from dynatrain.lm.causal_lm import LlamaLM
+    from dynatrain.runtime.memory import freeze_import_time_objects
 
     cuda = device.type == "cuda"
     model = args.model or ("125m" if cuda else "debug")

@@ -22,7 +22,7 @@ def add_args(ap) -> None:
 
 
 def run(args, device: torch.device) -> dict:
-    from dynatrain.launcher import launch_local
+    from dynatrain.launch.local import launch_local
 
     models = args.models or ("125m,1b" if device.type == "cuda" else "debug")
     with tempfile.TemporaryDirectory() as tmp:

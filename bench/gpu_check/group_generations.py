@@ -28,7 +28,7 @@ def add_args(ap) -> None:
 
 
 def run(args, device: torch.device) -> dict:
-    from dynatrain.memory import resident_bytes
+    from dynatrain.runtime.memory import resident_bytes
 
     cuda = device.type == "cuda"
     with socket.socket() as s:

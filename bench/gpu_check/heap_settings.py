@@ -1,4 +1,4 @@
-"""Part (e): dynatrain's glibc heap settings (`dynatrain.memory.HEAP_TUNABLES`, on by default in every process it
+"""Part (e): dynatrain's glibc heap settings (`dynatrain.runtime.memory.HEAP_TUNABLES`, on by default in every process it
 starts) on and off, measured where they never were: the training steps of part (a) in a fresh process each way
 (glibc reads them at start-up), for step time, page faults per step and peak resident memory. Nothing is checked
 against a threshold: the figures decide whether GPU hosts keep the settings.
@@ -26,7 +26,7 @@ def add_args(ap) -> None:
 def run(args, device: torch.device) -> dict:
     if device.type != "cuda":  # what the settings do on a CPU host is measured by bench/heap.py
         return {"status": "skipped", "reason": "skipped: no CUDA (the CPU's figures: bench/heap.py)"}
-    from dynatrain.memory import HEAP_ENV, heap_env
+    from dynatrain.runtime.memory import HEAP_ENV, heap_env
 
     runs, checks = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

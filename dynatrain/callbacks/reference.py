@@ -53,7 +53,7 @@ class ReferenceLoss(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Refused before any step: a reference that cannot reproduce the run is worse than none.
-        from dynatrain.llama_lm import CausalLM
+        from dynatrain.lm.causal_lm import CausalLM
 
         if stage != "fit":
             return
@@ -128,7 +128,7 @@ def replay(pl_module: pl.LightningModule, datamodule, steps: int, clip_norm: flo
            device: torch.device | str = "cpu") -> list[float]:
     """The loss of each of the first ``steps`` optimizer steps of ``pl_module``'s run, trained again from its
     initial weights on this process alone, on the data module's global batches."""
-    from dynatrain import moe_lm
+    from dynatrain.lm import moe_load
     from dynatrain.models.parallelize import materialize_model
 
     # Only the constructor's own arguments: LightningCLI adds entries of its own (``_instantiator``).
@@ -154,7 +154,7 @@ def replay(pl_module: pl.LightningModule, datamodule, steps: int, clip_norm: flo
             (copy.training_step(batch, 0) / len(chunks)).backward()
         losses.append(torch.stack(copy._micro_losses).mean().item())
         if copy.routed_experts:
-            moe_lm.apply_load(model, moe_lm.local_counts(model))
+            moe_load.apply_load(model, moe_load.local_counts(model))
         copy._clear_step()
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)

@@ -41,7 +41,7 @@ from dynatrain.elastic.rendezvous import launched_by_rendezvous
 from dynatrain.policy import GiB, Devices, LayoutPolicy, choose_layout
 from dynatrain.planner.network import NetworkModel
 from dynatrain.signals.agreement import MergedRequest, Proposal, Slot, all_gather_slots, encode_slot, merge_proposals
-from dynatrain.signals.control import ControlServer
+from dynatrain.signals.control_server import ControlServer
 from dynatrain.signals.file import FileSource
 from dynatrain.signals.hub import SignalHub
 from dynatrain.signals.preemption import PreemptionSource
@@ -377,7 +377,7 @@ class ElasticCallback(pl.Callback):
         return previous
 
     def _exchange(self, trainer: pl.Trainer, slot: Slot) -> list[Slot]:
-        # The strategy's control group (`dynatrain.control`); under another strategy, the default group.
+        # The strategy's control group (`dynatrain.runtime.control_group`); under another strategy, the default group.
         return all_gather_slots(slot, getattr(trainer.strategy, "control_group", None))
 
     def _decide(self, trainer: pl.Trainer, merged: MergedRequest, step: int) -> Decision:

@@ -36,7 +36,7 @@ def _own_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _restart_with_heap_settings(argv: list[str]) -> None:
     """Start this command over in the same process with the heap settings of `memory.heap_env` when it was started
     without them: glibc reads them only at start-up, and every process the command starts inherits them."""
-    from dynatrain.memory import heap_env
+    from dynatrain.runtime.memory import heap_env
 
     env = heap_env(os.environ)
     if env != dict(os.environ):
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
         priority.lower(priority.launcher_amount())
     if argv and argv[0] in LIGHTNING_COMMANDS and any(a.startswith("--elastic.") for a in argv):
-        from dynatrain.cli.job_launcher import ElasticLauncher, split_elastic_args
+        from dynatrain.launch.job import ElasticLauncher, split_elastic_args
 
         try:
             opts, rest = split_elastic_args(argv)

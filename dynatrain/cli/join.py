@@ -13,9 +13,10 @@ import json
 import os
 from pathlib import Path
 
+from dynatrain.cli.devices import own_device
 from dynatrain.cli.process_flags import add_process_flags
 from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
-from dynatrain.threads import mark_if_unset
+from dynatrain.runtime.threads import mark_if_unset
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -38,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from dynatrain.cli.job_launcher import JOB_ARGV_KEY
+    from dynatrain.launch.job import JOB_ARGV_KEY
     from dynatrain.cli.train import run_lightning_cli
     from dynatrain.elastic.store import connect
 
@@ -68,25 +69,3 @@ def run(args) -> int:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)  # the job gives this process its rank when it admits it
     return run_lightning_cli([*argv, "--trainer.devices", "1", "--ckpt_path", JOIN_CHECKPOINT])
-
-
-def own_device(device: int | None, env) -> str | None:
-    """The value of ``CUDA_VISIBLE_DEVICES`` that leaves this process its own GPU: ``device`` (else ``$LOCAL_RANK``)
-    as an index among the GPUs visible now. None where nothing picks one (no flag, no local rank): the process then
-    sees what it sees. Lightning runs a joining process on one device, the first it sees; without this, every joiner
-    of a host would share GPU 0."""
-    if device is None:
-        local = env.get("LOCAL_RANK")
-        if local is None or not local.strip():
-            return None
-        device = int(local)
-    if device < 0:
-        raise SystemExit(f"dynatrain join: --device {device}: give a GPU index (0, 1, ...)")
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not visible.strip():
-        return str(device)
-    ids = [d.strip() for d in visible.split(",") if d.strip()]
-    if device >= len(ids):
-        raise SystemExit(f"dynatrain join: device {device} is not among the {len(ids)} visible GPUs "
-                         f"(CUDA_VISIBLE_DEVICES={visible}): give --device 0 to {len(ids) - 1}")
-    return ids[device]

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from dynatrain.memory import freeze_import_time_objects
+from dynatrain.runtime.memory import freeze_import_time_objects
 from dynatrain.models.registry import get_zoo_config, spec_for, zoo_names
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.network import NetworkModel

@@ -13,7 +13,7 @@ import argparse
 import os
 
 from dynatrain.cli.quiet import VERBOSE_ENV
-from dynatrain.memory import FREEZE_ENV, HEAP_CHOICES, HEAP_ENV
+from dynatrain.runtime.memory import FREEZE_ENV, HEAP_CHOICES, HEAP_ENV
 
 # flag -> (the variable it sets, the value, help)
 SWITCHES = {

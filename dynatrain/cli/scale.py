@@ -2,7 +2,7 @@
 
     dynatrain scale --endpoint HOST:PORT (--devices N | --layout SPEC) [--wait] [--token TOKEN] [--timeout S]
 
-The job's control server (``dynatrain.signals.control.ControlServer``) answers ``{"accepted": ..., "reason": ...}``,
+The job's control server (``dynatrain.signals.control_server.ControlServer``) answers ``{"accepted": ..., "reason": ...}``,
 which is printed. Exit status: 0 accepted, 1 refused by the job, 2 bad arguments or no answer.
 """
 

@@ -9,7 +9,7 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from dynatrain.launcher import teardown_distributed
+from dynatrain.launch.local import teardown_distributed
 
 
 def _summarise_switches(trainer) -> None:
@@ -127,7 +127,7 @@ def _stay_as_standby() -> None:
           file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    from dynatrain.cli.join import own_device
+    from dynatrain.cli.devices import own_device
 
     # Its device stays its own (the launcher gives it to no other process while this one lives): the only visible
     # one, since `dynatrain join` without a local rank trains on the first it sees.
@@ -142,10 +142,10 @@ def _stay_as_standby() -> None:
 def run_lightning_cli(argv: list[str]) -> int:
     import dynatrain  # noqa: F401  (registers strategy="dynatrain" in this and every re-launched process)
     from dynatrain.data import LlamaDataModule
-    from dynatrain.llama_lm import CausalLM
+    from dynatrain.lm.causal_lm import CausalLM
 
     from dynatrain.cli.quiet import quiet_libraries
-    from dynatrain.memory import freeze_import_time_objects
+    from dynatrain.runtime.memory import freeze_import_time_objects
 
     os.environ.setdefault("WANDB_MODE", "offline")
     quiet_libraries()

@@ -34,7 +34,7 @@ from dynatrain.elastic.world import (
     union_then_target,
 )
 from dynatrain.settings import explicit_or_env
-from dynatrain.threads import host_name, resplit, splits_threads
+from dynatrain.runtime.threads import host_name, resplit, splits_threads
 
 # What a launcher carries to the processes it starts, read as the defaults of `ElasticConfig` (dynatrain.settings):
 ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"  # ElasticConfig.endpoint
@@ -76,7 +76,7 @@ class ElasticConfig:
             (`dynatrain join`) instead of exiting. None: ``$DYNATRAIN_REJOIN=1``, as the launcher sets it with
             ``--elastic.standby``.
         split_threads: after every world change in a CPU world, set this process's intra-op threads to its share
-            of its host's cores (`dynatrain.threads`). None: only when a launcher of dynatrain's chose the count
+            of its host's cores (`dynatrain.runtime.threads`). None: only when a launcher of dynatrain's chose the count
             (``$DYNATRAIN_THREADS=split``, for a process started without ``OMP_NUM_THREADS``).
         standby_nice: how much a joiner raises its niceness from registering until it is admitted, so that a
             standby process getting ready and waiting takes a smaller share of the members' cores; it gets its normal

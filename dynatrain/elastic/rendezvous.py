@@ -29,10 +29,10 @@ there never meets a half-imported module.
 
 from __future__ import annotations
 
-from dynatrain.settings import explicit_or_env
+from dynatrain.settings import RDZV_BACKEND as BACKEND
+from dynatrain.settings import RDZV_ENV, explicit_or_env
 
-BACKEND = "dynatrain"
-RDZV_ENV = "DYNATRAIN_RDZV"  # marks a worker of this backend: ElasticCallback admits arrivals and takes SIGTERM
+__all__ = ["BACKEND", "RDZV_ENV", "handler_creator", "launched_by_rendezvous"]
 
 
 def handler_creator():

@@ -28,8 +28,8 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
 from dynatrain.elastic.store import check_token, parse_endpoint, serve_in_process
-from dynatrain.elastic.rendezvous import BACKEND, RDZV_ENV
-from dynatrain.settings import explicit_or_env
+from dynatrain.settings import RDZV_BACKEND as BACKEND
+from dynatrain.settings import RDZV_ENV, explicit_or_env
 
 LOGGER = logging.getLogger("dynatrain.elastic")
 # torchrun's agents wait here for one another when their workers are done (`SimpleElasticAgent._exit_barrier`).

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _FIELDS = ("sums", "held", "sizes", "knowers", "squares", "bad")
@@ -680,13 +680,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def reduce(sums: StateSums, group=None) -> StateSums:
     """``sums`` summed over the ranks of the control group ``group`` (one all-reduce of ``6 * len(names)`` int64s,
-    `dynatrain.control`); as it is without an initialised process group."""
-    return StateSums.from_vector(sums.names, control.all_reduce_ints(sums.vector(), group), sums.problems)
+    `dynatrain.runtime.control_group`); as it is without an initialised process group."""
+    return StateSums.from_vector(sums.names, control_group.all_reduce_ints(sums.vector(), group), sums.problems)
 
 
 def reduce_pair(old: StateSums, new: StateSums, group=None) -> tuple[StateSums, StateSums]:
     """`reduce` of both sides in one all-reduce (the switch can keep its local sums of before until after)."""
-    v, n = control.all_reduce_ints(old.vector() + new.vector(), group), len(_FIELDS) * len(old.names)
+    v, n = control_group.all_reduce_ints(old.vector() + new.vector(), group), len(_FIELDS) * len(old.names)
     return StateSums.from_vector(old.names, v[:n], old.problems), StateSums.from_vector(new.names, v[n:],
                                                                                        new.problems)
 
@@ -792,7 +792,7 @@ def module_state_tensors(module: torch.nn.Module, optimizer=None, schedulers: Se
 def all_names(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, object], group=None) -> tuple[str, ...]:
     """The sorted union of every rank's state names over the control group ``group``: the agreed order where ranks
     have different states (pipeline stages)."""
-    every = control.all_gather_object(sorted({*tensors, *scalars}), group)
+    every = control_group.all_gather_object(sorted({*tensors, *scalars}), group)
     return tuple(sorted({n for names in every for n in names}))
 
 

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dynatrain.models.parallelize import dense_meshes, holds_transformer
-from dynatrain.models.plan_tp import apply_plan, model_plan
+from dynatrain.models.tp_from_plan import apply_plan, model_plan
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

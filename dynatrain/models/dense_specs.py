@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from dynatrain.models.configs import ModelConfig
 from dynatrain.models.stage_split import stage_of_layer, stage_split
-from dynatrain.models.tp_plan import tp_shard_dim
+from dynatrain.models.tp_styles import tp_shard_dim
 from dynatrain.vps.layout import STATE_KINDS, Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.placement import LocalShards, Sharding
@@ -21,11 +21,11 @@ from dynatrain.vps.rules import ShardRule, layout_shards, rule_sharding
 
 
 def rule_for_param(name: str, shape: tuple[int, ...]) -> ShardRule:
-    """The rule `apply_tp` gives a model parameter, read from the one TP table in `models.tp_plan`."""
+    """The rule `apply_tp` gives a model parameter, read from the one TP table in `models.tp_styles`."""
     try:
         dim = tp_shard_dim(name)
     except KeyError as err:
-        raise ValueError(f"{err.args[0]}: add it to dynatrain/models/tp_plan.py") from None
+        raise ValueError(f"{err.args[0]}: add it to dynatrain/models/tp_styles.py") from None
     return ShardRule(tuple(shape), dim)
 
 

@@ -116,7 +116,7 @@ class Transformer(nn.Module):
         return precompute_freqs_cis(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
+        # A pipeline stage holds some of the parts (`models.pipeline_split`): a later stage takes hidden states in, an
         # earlier one hands them on.
         tokens, freqs_cis = cp_split(self, tokens, self.freqs_cis)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -204,7 +204,7 @@ class MoETransformer(nn.Module):
         return precompute_freqs_cis(c.attn_head_dim, c.max_seq_len, c.rope_theta, device=device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A pipeline stage holds some of the parts (`models.pipeline`): a later stage takes hidden states in, an
+        # A pipeline stage holds some of the parts (`models.pipeline_split`): a later stage takes hidden states in, an
         # earlier one hands them on. With context parallelism, as the dense model (`models.llama.Transformer`).
         tokens, freqs_cis = cp_split(self, tokens, self.freqs_cis)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -239,7 +239,7 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages
                     ) -> MoETransformer:
     """Pipeline, data, tensor and expert parallelism for the MoE decoder, in torchtitan's order:
 
-    - pp: the model keeps the layers of this rank's stages (`models.pipeline.split_model`, layers placed by
+    - pp: the model keeps the layers of this rank's stages (`models.pipeline_split.split_model`, layers placed by
       `moe_specs.moe_stage_split`), everything below runs on the stage's sub-mesh, and each layer's auxiliary loss
       joins the backward through its output;
 
@@ -259,12 +259,12 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from dynatrain.models import tp_plan
+    from dynatrain.models import tp_styles
     from dynatrain.models.context_parallel import enable_context_parallel
     from dynatrain.models.expert_parallel import ExpertParallel
     from dynatrain.models.moe_specs import moe_stage_split
     from dynatrain.models.parallelize import apply_cp, apply_fsdp, apply_fsdp_stages, apply_tp, dense_meshes
-    from dynatrain.models.pipeline import split_model
+    from dynatrain.models.pipeline_split import split_model
 
     pcfg.validate(model.config)  # tp against heads, KV heads and vocabulary; ep against the experts
     # Before a pipeline split: the stages' views copy the model's. The routers count the whole sequence's tokens.
@@ -281,7 +281,7 @@ def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages
         for block in model.layers.values():
             block.moe.aux_in_backward = True
     tp, dp = dense_meshes(mesh, pcfg)
-    apply_tp(model, tp, block_plan=tp_plan.MOE_BLOCK_PLAN)
+    apply_tp(model, tp, block_plan=tp_styles.MOE_BLOCK_PLAN)
     if pcfg.ep > 1:
         expert_dp = mesh["dp_replicate", "efsdp"] if pcfg.dp_replicate > 1 else mesh["efsdp"]
         kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from dynatrain.models.dense_specs import param_stages, pipeline_stage_split
 from dynatrain.models.moe_configs import MoEConfig
-from dynatrain.models.tp_plan import moe_tp_shard_dim
+from dynatrain.models.tp_styles import moe_tp_shard_dim
 from dynatrain.vps.layout import STATE_KINDS, Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.placement import Shard, Sharding, StridedShard
@@ -48,7 +48,7 @@ def is_routed_expert(name: str) -> bool:
 
 def moe_tp_dim(name: str) -> int | None:
     """The dimension `parallelize_moe` splits over tp for parameter ``name`` (None: whole on every TP rank), read
-    from the one TP table the real parallelisation uses (`models.tp_plan.MOE_BLOCK_PLAN`)."""
+    from the one TP table the real parallelisation uses (`models.tp_styles.MOE_BLOCK_PLAN`)."""
     return moe_tp_shard_dim(name)
 
 

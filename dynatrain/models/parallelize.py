@@ -25,13 +25,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dynatrain.models import tp_plan
+from dynatrain.models import tp_styles
 from dynatrain.models.checkpointing import ActivationCheckpointing, apply_ac
 from dynatrain.models.compile import apply_compile
 from dynatrain.models.configs import ModelConfig
 from dynatrain.models.context_parallel import enable_context_parallel
 from dynatrain.models.llama import Attention, Transformer
-from dynatrain.models.pipeline import PipelineStages, split_model
+from dynatrain.models.pipeline_split import PipelineStages, split_model
 from dynatrain.models.stage_split import stage_split
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -101,26 +101,26 @@ def mesh_safe(ranks: Sequence[int], pcfg: ParallelConfig) -> bool:
 
 def _style(style: str, sequence_parallel: bool):
     seq = Shard(1) if sequence_parallel else Replicate()
-    if style == tp_plan.COLWISE:
+    if style == tp_styles.COLWISE:
         return ColwiseParallel()
-    if style == tp_plan.ROWWISE:
+    if style == tp_styles.ROWWISE:
         return RowwiseParallel(output_layouts=seq)
-    if style == tp_plan.EMBEDDING:
+    if style == tp_styles.EMBEDDING:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if style == tp_plan.REPLICATE:
+    if style == tp_styles.REPLICATE:
         return SequenceParallel() if sequence_parallel else None
     raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-             block_plan: dict[str, str] = tp_plan.BLOCK_PLAN, loss_parallel: bool = False) -> nn.Module:
-    """Shard the projections over ``tp_mesh`` as `tp_plan` says (``block_plan`` for each of ``model.layers``);
+             block_plan: dict[str, str] = tp_styles.BLOCK_PLAN, loss_parallel: bool = False) -> nn.Module:
+    """Shard the projections over ``tp_mesh`` as `tp_styles` says (``block_plan`` for each of ``model.layers``);
     norms stay replicated. The logits come out whole on every rank, or, with ``loss_parallel``, as a DTensor split
     over the vocabulary, for a loss computed under `torch.distributed.tensor.parallel.loss_parallel` (never
     gathered whole; its backward must run under it too)."""
     if tp_mesh.size() == 1:
         return model
-    top = {name: _style(style, sequence_parallel) for name, style in tp_plan.TOP_PLAN.items()}
+    top = {name: _style(style, sequence_parallel) for name, style in tp_styles.TOP_PLAN.items()}
     seq = Shard(1) if sequence_parallel else Replicate()
     top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False) \
         if loss_parallel else ColwiseParallel(input_layouts=seq, output_layouts=Replicate())

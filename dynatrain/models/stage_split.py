@@ -1,6 +1,6 @@
 """Which layers each pipeline stage holds: contiguous runs that balance the per-stage compute.
 
-Pure Python, shared by the live split of a model (`models.pipeline`) and the analytic specs that plan 16,384-rank
+Pure Python, shared by the live split of a model (`models.pipeline_split`) and the analytic specs that plan 16,384-rank
 switches, so both place every layer on the same stage.
 
 A layout with ``pp`` ranks along the pipeline and ``v`` stages per rank has ``pp * v`` stages; stage ``j`` runs on

@@ -178,7 +178,7 @@ def run_scenarios(args) -> int:
     import json
     import tempfile
 
-    from dynatrain.launcher import LaunchError
+    from dynatrain.launch.local import LaunchError
 
     names = [n.strip() for n in args.inject.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -220,7 +220,7 @@ def run_scenarios(args) -> int:
 
 
 def _run_one(name: str, spec: dict, argv: list[str], workdir: Path, timeout: float) -> dict:
-    from dynatrain.launcher import PRELOAD, LaunchError, launch_elastic, launch_local
+    from dynatrain.launch.local import PRELOAD, LaunchError, launch_elastic, launch_local
 
     if "restart" not in spec:
         members, _ = launch_elastic(argv, spec["devices"], workdir, joiners=spec["joiners"], timeout=timeout,

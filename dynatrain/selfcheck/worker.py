@@ -26,13 +26,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 import dynatrain
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import CausalLM
-from dynatrain.models.pipeline import pipeline_stages
-from dynatrain.strategies.pipeline import PipelineRunner, stack_batches
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import CausalLM
+from dynatrain.models.pipeline_split import pipeline_stages
+from dynatrain.strategies.pipeline_runner import PipelineRunner, stack_batches
 from dynatrain.selfcheck import faults, oracle
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -258,7 +258,7 @@ class StepSamples(pl.Callback):
         mine = [i for s in self._seen for i in s.trace]
         for s in self._seen:
             s.trace.clear()
-        per_rank = dict(control.all_gather_object((strategy.dp_rank, mine), strategy.control_group))
+        per_rank = dict(control_group.all_gather_object((strategy.dp_rank, mine), strategy.control_group))
         self.samples.append(sorted(i for indices in per_rank.values() for i in indices))
 
 

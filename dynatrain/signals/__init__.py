@@ -14,7 +14,7 @@ This layer sits above `dynatrain.elastic` and `dynatrain.engine` and below `dyna
 Lightning, and only `agreement` imports torch (the names below leave it out, so importing them does not).
 """
 
-from dynatrain.signals.control import ControlServer, is_loopback
+from dynatrain.signals.control_server import ControlServer, is_loopback
 from dynatrain.signals.file import FileSource
 from dynatrain.signals.hub import Rejection, SignalHub, Verdict
 from dynatrain.signals.preemption import PreemptionSource

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.signals.request import ScaleRequest, describe_request
 
 SLOT_BYTES = 4096
@@ -126,9 +126,9 @@ def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | Non
 
 
 def all_gather_slots(slot: Slot, group=None) -> list[Slot]:
-    """Every rank's slot, in rank order of ``group`` (the world's control group, `dynatrain.control`); only ``slot``
+    """Every rank's slot, in rank order of ``group`` (the world's control group, `dynatrain.runtime.control_group`); only ``slot``
     without a process group."""
-    if not control.distributed():
+    if not control_group.distributed():
         return [slot]
-    gathered = control.all_gather_bytes(encode_slot(slot), group)
+    gathered = control_group.all_gather_bytes(encode_slot(slot), group)
     return [decode_slot(gathered[i * SLOT_BYTES:(i + 1) * SLOT_BYTES]) for i in range(len(gathered) // SLOT_BYTES)]

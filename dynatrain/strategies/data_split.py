@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.data.elastic_sampler import ElasticSampler
 import dynatrain.strategies.data_streams as data_streams
 from dynatrain.data.streams.torchdata import plain_shuffle
@@ -317,7 +317,7 @@ class DataSplit:
         self.check_next_batch = False
         if strategy.detached or strategy.local_only:
             return
-        rows = control.all_gather_ints([strategy.dp_rank, fingerprint(batch)], strategy.control_group)
+        rows = control_group.all_gather_ints([strategy.dp_rank, fingerprint(batch)], strategy.control_group)
         groups: dict[int, dict[int, list[int]]] = {}
         for rank, (dp_rank, fp) in enumerate(rows):
             groups.setdefault(dp_rank, {}).setdefault(fp, []).append(rank)

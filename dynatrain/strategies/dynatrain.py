@@ -28,11 +28,11 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from dynatrain.control import new_control_group
+from dynatrain.runtime.control_group import new_control_group
 from dynatrain.elastic import priority
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, JobEnded, member_info
 from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
-from dynatrain.lightning_support import check_lightning_version
+from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
@@ -50,7 +50,7 @@ from dynatrain.strategies.data_split import DataSplit
 from dynatrain.strategies.fit_loop import resume_from_when_none
 from dynatrain.strategies.lightning_compat import lightning_sizes, refuse_fsdp1
 from dynatrain.strategies.lightning_world import adopt_logger_versions, forget_old_meshes, logger_versions, set_world
-from dynatrain.strategies.pipeline import PipelineRunner, check_schedule
+from dynatrain.strategies.pipeline_runner import PipelineRunner, check_schedule
 from dynatrain.strategies.steps import CompileWatch, StepHooks
 from dynatrain.switch.target import ModuleTemplate, to_meta
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -200,7 +200,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self.recovery_reports: list = []  # processes lost while training, and how the survivors went on
         self._switcher = None
         self._meshes: dict[tuple, DeviceMesh] = {}
-        # The current world's gloo group for metadata (`dynatrain.control`); training's groups carry device tensors.
+        # The current world's gloo group for metadata (`dynatrain.runtime.control_group`); training's groups carry device tensors.
         self.control_group = None
         self.retire_groups: bool | None = None  # see retire_meshes
         self.elastic_config = ElasticConfig.parse(elastic)
@@ -345,7 +345,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self.control_group = new_control_group(timeout)
 
     def member_info(self) -> dict:
-        from dynatrain import __version__
+        from dynatrain.runtime.version import __version__
 
         return member_info(self.model_config(), __version__)
 
@@ -612,6 +612,6 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
 
 
 if DynaTrainStrategy.strategy_name not in StrategyRegistry:
-    # Importing the strategy makes strategy="dynatrain" work (see `dynatrain.registration`).
+    # Importing the strategy makes strategy="dynatrain" work (see `dynatrain.strategies.registration`).
     StrategyRegistry.register(DynaTrainStrategy.strategy_name, DynaTrainStrategy,
                               description="FSDP2 + tensor parallelism with online layout switching")

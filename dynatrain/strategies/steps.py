@@ -14,8 +14,8 @@ from contextlib import nullcontext
 import torch
 
 from dynatrain.models.compile import compile_seconds
-from dynatrain.models.pipeline import pipeline_stages
-from dynatrain.strategies.pipeline import PipelineRunner, check_pipeline_module, pipeline_batch, stack_batches
+from dynatrain.models.pipeline_split import pipeline_stages
+from dynatrain.strategies.pipeline_runner import PipelineRunner, check_pipeline_module, pipeline_batch, stack_batches
 
 
 class CompileWatch:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dynatrain.elastic.store import connect as connect_store
 from dynatrain.switch.verify import SwitchVerificationError
-from dynatrain.strategies.pipeline import check_pipeline_module
+from dynatrain.strategies.pipeline_runner import check_pipeline_module
 from dynatrain.switch import driver
 from dynatrain.switch.capture import Captured, check_switchable
 from dynatrain.switch.in_world import InWorldPrep, in_world_inputs

@@ -54,7 +54,7 @@ class SwitchContext(Protocol):
 
     @property
     def control_group(self) -> Any:
-        """The current world's group for metadata (`dynatrain.control`); None without a process group."""
+        """The current world's group for metadata (`dynatrain.runtime.control_group`); None without a process group."""
 
     @property
     def world_size(self) -> int: ...

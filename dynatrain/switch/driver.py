@@ -29,7 +29,7 @@ from torch import nn
 
 from dynatrain import engine
 from dynatrain.engine.stats import TransitionStats
-from dynatrain.memory import release_freed_memory, resident_bytes
+from dynatrain.runtime.memory import release_freed_memory, resident_bytes
 from dynatrain.switch import verify
 from dynatrain.switch.adopt import adopt_module, adopt_optimizer
 from dynatrain.switch.context import SwitchContext

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
 from dynatrain.switch.capture import Captured
 from dynatrain.switch.context import SwitchContext
@@ -60,7 +60,7 @@ def _agreed_costs(ctx: SwitchContext, targets: TargetLayouts, target: ParallelCo
     local = [targets.build_seconds.get(target, 0.0), sum(r.phases["transfer"] for r in moved),
              float(sum(r.bytes_moved for r in moved))]
     if ctx.world_size > 1:
-        local = control.all_reduce_floats(local, ctx.control_group, op=dist.ReduceOp.MAX)
+        local = control_group.all_reduce_floats(local, ctx.control_group, op=dist.ReduceOp.MAX)
     build_s, transfer_s, nbytes = local
     return (build_s, transfer_s / nbytes) if build_s > 0 and nbytes > 0 else None
 

@@ -27,7 +27,8 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from dynatrain import engine, memory
+from dynatrain import engine
+from dynatrain.runtime import memory
 from dynatrain.engine import torch_dtype
 from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.parallelize import mesh_safe

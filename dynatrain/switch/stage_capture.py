@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.switch.capture import Captured
 
 
@@ -21,7 +21,7 @@ def merge_stages(local: Captured, order: dict[str, list[str]], group=None) -> Ca
     """Every stage's specs, shardings (a state several stages hold is held by all of them), owners, scalars and
     optimizer entry order; this process's sources. Every rank of ``group`` calls it."""
     row = (local.specs, local.shardings, local.param_of, {p: _cpu(e) for p, e in local.scalars.items()}, order)
-    rows = control.all_gather_object(row, group)
+    rows = control_group.all_gather_object(row, group)
     specs, shardings, index = [], [], {}
     param_of, scalars, orders = {}, {}, {}
     for r_specs, r_shardings, r_param_of, r_scalars, r_order in rows:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.switch.capture import Captured, capture, check_switchable
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.recovery import reshard
@@ -75,7 +75,7 @@ def hold(ctx: SwitchContext, agree: bool = True) -> Held:
 
 def _agree_on(ctx: SwitchContext, captured: Captured) -> None:
     mark = captured.fingerprint()
-    high, neg_low = control.all_reduce_ints([mark, -mark], ctx.control_group, op=dist.ReduceOp.MAX)
+    high, neg_low = control_group.all_reduce_ints([mark, -mark], ctx.control_group, op=dist.ReduceOp.MAX)
     if high != mark or neg_low != -mark:
         raise ValueError("the ranks hold different sets of states (names, shapes, dtypes or placements): a "
                          "module or optimizer that differs between ranks cannot be switched")

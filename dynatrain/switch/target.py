@@ -22,7 +22,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from dynatrain.models.pipeline import pipeline_stages
+from dynatrain.models.pipeline_split import pipeline_stages
 from dynatrain.switch.capture import target_shardings
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.module_copy import meta_copy

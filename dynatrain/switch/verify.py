@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dynatrain import control
+from dynatrain.runtime import control_group
 from dynatrain.engine import placed_sums
 from dynatrain.engine.placed_sums import StateSums, placed_indices, wrap64
 from dynatrain.engine.wire import local_box
@@ -128,7 +128,7 @@ def before(held, plan, me: int) -> Before:
 
 
 def _vector(ctx: SwitchContext, values: list[int]) -> list[int]:
-    return control.all_reduce_ints([wrap64(v) for v in values], ctx.control_group)
+    return control_group.all_reduce_ints([wrap64(v) for v in values], ctx.control_group)
 
 
 def reduce(ctx: SwitchContext, side: Before) -> Before:

@@ -26,10 +26,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from dynatrain.models.configs import ModelConfig
+
+class ModelShape(Protocol):
+    """What a layout is checked against: the sizes it splits. Any model config with these fields serves (the zoo's
+    `ModelConfig`, a Hugging Face model's read by `models.hf_shape`); ``n_layers``, ``n_experts`` and ``ffn_dim`` are
+    read when present, so the space needs no model class."""
+
+    name: str
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 EP_MESH_DIM_NAMES = ("dp_replicate", "efsdp", "ep", "tp")
@@ -224,7 +232,7 @@ class ParallelConfig:
     def rank_of(self, r: int, s: int, t: int, p: int = 0) -> int:
         return ((p * self.dp_replicate + r) * self.fsdp_shard + s) * self.tp + t
 
-    def validate(self, model: "ModelConfig | None" = None, world_size: int | None = None) -> "ParallelConfig":
+    def validate(self, model: ModelShape | None = None, world_size: int | None = None) -> "ParallelConfig":
         """Raise ValueError naming the constraint that fails; return self when it fits."""
         if world_size is not None and self.world_size != world_size:
             raise LayoutError(

@@ -14,8 +14,8 @@ import torch
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
 
 warnings.filterwarnings("ignore")
 

@@ -11,8 +11,8 @@ import torch
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.models.checkpointing import is_checkpointed
 from dynatrain.models.compile import compile_seconds, is_compiled
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import _cross_entropy
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import _cross_entropy
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.context_parallel import context_parallel_of, shard_labels
 from dynatrain.models.llama import Transformer

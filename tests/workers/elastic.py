@@ -19,9 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 import dynatrain
 from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
-from dynatrain.threads import THREADS_ENV
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
+from dynatrain.runtime.threads import THREADS_ENV
 
 warnings.filterwarnings("ignore")
 

@@ -33,7 +33,7 @@ import dynatrain
 from dynatrain.data.iterable import IterableTokenWindows
 from dynatrain.callbacks.rescale import ElasticCallback
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 from dynatrain.models.auto_parallel import tied_groups
 
 sys.path.insert(0, str(Path(__file__).parent))

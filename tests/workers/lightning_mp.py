@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics.classification import Accuracy
 
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 from dynatrain.strategies.dynatrain import DynaTrainStrategy
 
 warnings.filterwarnings("ignore")

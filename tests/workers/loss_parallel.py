@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import _cross_entropy
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import _cross_entropy
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.llama import Transformer
 from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama

@@ -12,8 +12,8 @@ import dynatrain
 from dynatrain import engine
 from dynatrain.data import LlamaDataModule
 from dynatrain.switch.verify import SwitchVerificationError
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.planner.schedule import plan_switch
 
 warnings.filterwarnings("ignore")

@@ -21,9 +21,9 @@ import dynatrain
 from dynatrain.callbacks.rescale import ElasticCallback
 from dynatrain.cli import scale
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
-from dynatrain.loggers import WandbLogger
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.runtime.loggers import WandbLogger
+from dynatrain.lm.causal_lm import LlamaLM
 
 warnings.filterwarnings("ignore")
 

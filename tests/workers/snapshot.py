@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 import dynatrain
 from dynatrain.callbacks.snapshot import Snapshot, latest_snapshot, restore_snapshot
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.launch.local import finish_rank
+from dynatrain.lm.causal_lm import LlamaLM
 
 warnings.filterwarnings("ignore")
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 import dynatrain
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_data import Script, Windows  # noqa: E402

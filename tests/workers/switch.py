@@ -7,9 +7,9 @@ import warnings
 import lightning.pytorch as pl
 
 import dynatrain
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 from dynatrain.data import LlamaDataModule
-from dynatrain.llama_lm import LlamaLM
+from dynatrain.lm.causal_lm import LlamaLM
 
 warnings.filterwarnings("ignore")
 

@@ -11,7 +11,7 @@ import torch
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.launcher import finish_rank
+from dynatrain.launch.local import finish_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from user_model import MoELM, UserLM  # noqa: E402

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from torch.utils.data import DataLoader, IterableDataset
 
 from dynatrain.data.sampler import check_rank
-from dynatrain.data.streams import Position, Remake
+from dynatrain.data.streams.protocol import Position, Remake
 
 
 def adapt_hf(loader: DataLoader, dp_size: int, dp_rank: int, remake: Remake) -> "HFStream | str":

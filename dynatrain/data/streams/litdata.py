@@ -30,7 +30,7 @@ import logging
 from torch.utils.data import DataLoader
 
 from dynatrain.data.sampler import check_rank
-from dynatrain.data.streams import Position
+from dynatrain.data.streams.protocol import Position
 
 
 def adapt_litdata(loader: DataLoader, dp_size: int, dp_rank: int) -> "LitDataStream | str":

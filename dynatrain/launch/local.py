@@ -18,8 +18,8 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from dynatrain.memory import heap_env
-from dynatrain.threads import launch_env
+from dynatrain.runtime.memory import heap_env
+from dynatrain.runtime.threads import launch_env
 
 
 # Every rank started here is a client of the store its launcher holds (torch's env:// rendezvous reads it).
@@ -81,7 +81,7 @@ def launch_local(
     expected to be killed (fault injection): their exit is no failure, and their result is None unless they exited
     cleanly. With
     ``preload`` (module names, e.g. `PRELOAD`) the ranks are forked from one process that imported them
-    (`dynatrain.forked_ranks`), where the platform can fork. With ``keep_zygote`` that process outlives the launch and
+    (`dynatrain.launch.forked`), where the platform can fork. With ``keep_zygote`` that process outlives the launch and
     forks every later one of this process with the same ``preload`` and environment (but for the store's address
     and pytest's test name, `_server`), which then pays no imports at all: for a caller that launches many jobs in
     turn, as a test session does. ``heap``: the ranks' heap, ``"reuse"`` or ``"glibc"`` (`rank_env`).
@@ -214,11 +214,11 @@ def teardown_distributed() -> None:
 
 
 class _ForkedRank:
-    """A rank forked by a zygote of `dynatrain.forked_ranks`, polled like a `subprocess.Popen`: its status is the one
+    """A rank forked by a zygote of `dynatrain.launch.forked`, polled like a `subprocess.Popen`: its status is the one
     the zygote wrote on reaping it; if the zygote's launch is gone without writing one, the rank is gone too."""
 
     def __init__(self, zygote: "_OwnZygote | _ServedLaunch", log: Path) -> None:
-        from dynatrain.forked_ranks import rc_path
+        from dynatrain.launch.forked import rc_path
 
         self.zygote, self.rc_file = zygote, rc_path(log)
         self.pid = zygote.pid  # the process group every rank is in
@@ -248,7 +248,7 @@ class _OwnZygote:
     def __init__(self, spec_file: Path, env: dict[str, str], log: Path) -> None:
         self.log = log
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dynatrain.forked_ranks", str(spec_file)], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "dynatrain.launch.forked", str(spec_file)], env=env,
                                          stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid
 
@@ -268,7 +268,7 @@ class _OwnZygote:
 
 
 class _Server:
-    """A zygote kept for every launch of this process with its preload and environment (`forked_ranks.serve`)."""
+    """A zygote kept for every launch of this process with its preload and environment (`launch.forked.serve`)."""
 
     def __init__(self, preload: Collection[str], env: dict[str, str]) -> None:
         import atexit
@@ -276,7 +276,7 @@ class _Server:
 
         self.log = Path(tempfile.mkdtemp(prefix="dynatrain-zygote-")) / "zygote.log"
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dynatrain.forked_ranks", "--serve", *preload],
+            self.proc = subprocess.Popen([sys.executable, "-m", "dynatrain.launch.forked", "--serve", *preload],
                                          env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True,
                                          start_new_session=True)
         atexit.register(self.stop)
@@ -362,7 +362,7 @@ def _forget_earlier_launch(outs: list[Path], logs: list[Path], stem: Path) -> No
     """Delete what an earlier launch in ``workdir`` left under these names. A store's port is free again once the
     store is gone, so a later launch may get the same port and names; a rank's exit status or result left from the
     earlier one would then pass for its own (a launch that returned at once with the earlier results)."""
-    from dynatrain.forked_ranks import rc_path
+    from dynatrain.launch.forked import rc_path
 
     zygote_log = Path(f"{stem}-zygote.log")
     for path in (*outs, *logs, *map(rc_path, logs), zygote_log, Path(f"{zygote_log}.rc")):
@@ -371,7 +371,7 @@ def _forget_earlier_launch(outs: list[Path], logs: list[Path], stem: Path) -> No
 
 def _fork_ranks(argv: list[str], envs: list[dict], outs: list[Path], logs: list[Path], stem: Path,
                 preload: Collection[str], keep: bool) -> list[_ForkedRank]:
-    from dynatrain.forked_ranks import SINGLE_THREADED
+    from dynatrain.launch.forked import SINGLE_THREADED
 
     zygote_log = Path(f"{stem}-zygote.log")
     spec = {"preload": list(preload), "cwd": os.getcwd(), "log": str(zygote_log), "rc": f"{zygote_log}.rc",
@@ -406,3 +406,8 @@ def log_tails(logs: list[Path], what: str = "rank", n: int = 40, skip_empty: boo
             continue
         parts.append(f"--- {what} {r} ({log}) ---\n" + "\n".join(lines[-n:]))
     return "\n".join(parts)
+
+
+def joiners_needed(worlds: list[int]) -> int:
+    """New processes a sequence of world sizes needs: every increase, since leavers do not come back."""
+    return sum(max(0, b - a) for a, b in zip(worlds, worlds[1:]))

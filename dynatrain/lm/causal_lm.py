@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torchmetrics.text import Perplexity
 
-from dynatrain import moe_lm
+from dynatrain.lm import moe_load
 from dynatrain.models.context_parallel import shard_labels
 from dynatrain.models.parallelize import materialize_model
 from dynatrain.models.registry import ModelSpec, ZooConfig, spec_for
@@ -66,7 +66,7 @@ class CausalLM(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model_config: ZooConfig = moe_lm.zoo_config(model, model_overrides)
+        self.model_config: ZooConfig = moe_load.zoo_config(model, model_overrides)
         self.model: torch.nn.Module | None = None
         self.val_perplexity = Perplexity()
         self.step_losses: list[float] = []
@@ -169,7 +169,7 @@ class CausalLM(pl.LightningModule):
         """The pipeline's first step ran an extra forward and backward to learn the shapes between stages (on
         placeholder activations past the first stage): what its routers counted is not the step's load."""
         if self.routed_experts:
-            moe_lm.reset_counts(self.model)
+            moe_load.reset_counts(self.model)
 
     def on_pipeline_validation_loss(self, loss: torch.Tensor) -> None:
         self.log("val/loss", loss, sync_dist=True, prog_bar=True)
@@ -183,11 +183,11 @@ class CausalLM(pl.LightningModule):
         has = torch.ones_like(held) if self._micro_losses else torch.zeros_like(held)
         pp = _pp_size(self.trainer.strategy)
         # Under pp no training_step sees the auxiliary loss: each stage sums its own layers' over the step.
-        staged = moe_lm.stage_aux(self.model) if pp > 1 and self.routed_experts else None
+        staged = moe_load.stage_aux(self.model) if pp > 1 and self.routed_experts else None
         aux = torch.stack(self._micro_aux).mean() if self._micro_aux else \
             staged.to(held) if staged is not None else torch.zeros_like(held)
         tokens = torch.tensor(float(self._step_tokens), device=held.device)
-        counts = moe_lm.local_counts(self.model) if self.routed_experts else held.new_zeros(0, 0)
+        counts = moe_load.local_counts(self.model) if self.routed_experts else held.new_zeros(0, 0)
         # One collective for the step's figures: losses, tokens and every router's counts.
         flat = torch.cat([torch.stack([held, aux, tokens, has]).float(), counts.flatten().to(held.device)])
         if dist.is_available() and dist.is_initialized():
@@ -218,18 +218,18 @@ class CausalLM(pl.LightningModule):
     def _expert_load_step(self, counts: torch.Tensor) -> None:
         """The step's job-wide tokens per expert: move the expert bias (the routing of the next forward), keep
         them for the switch log, and log the load when the loggers are written."""
-        moe_lm.apply_load(self.model, counts)
+        moe_load.apply_load(self.model, counts)
         self.expert_load = counts.detach().cpu().clone()
         every = self.trainer.log_every_n_steps
         # Lightning writes this step's metrics when (steps done + 1) is a multiple of log_every_n_steps.
         if every and (self.trainer.global_step + 1) % every == 0:
-            for key, value in moe_lm.load_metrics(self.expert_load, self.hparams.log_expert_tokens).items():
+            for key, value in moe_load.load_metrics(self.expert_load, self.hparams.log_expert_tokens).items():
                 self.log(key, value, rank_zero_only=True)
 
     def expert_imbalance(self) -> list[float] | None:
         """Per layer, the busiest expert's tokens over the mean at the last optimizer step (None before one, or for
         a dense model)."""
-        return None if self.expert_load is None else moe_lm.imbalance(self.expert_load).tolist()
+        return None if self.expert_load is None else moe_load.imbalance(self.expert_load).tolist()
 
     def _clear_step(self) -> None:
         self._micro_losses.clear()
@@ -242,7 +242,7 @@ class CausalLM(pl.LightningModule):
         micro-batch; its partial losses and routed tokens must not count."""
         self._clear_step()
         if self.routed_experts and self.model is not None:
-            moe_lm.reset_counts(self.model)
+            moe_load.reset_counts(self.model)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss, logits, labels = self._loss(batch)
@@ -261,7 +261,7 @@ class CausalLM(pl.LightningModule):
         if self.routed_experts:
             # Validation runs between optimizer steps, where the counts start at zero: the tokens it routed are not
             # training load and must not move the bias.
-            moe_lm.reset_counts(self.model)
+            moe_load.reset_counts(self.model)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, FINISHED_KEY, REJOIN_ENV, TOKEN_ENV, initial_member
 from dynatrain.elastic.priority import DEFAULT_STANDBY_NICE, check_amount
-from dynatrain.threads import launch_env
+from dynatrain.runtime.threads import launch_env
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
            "host": str, "workdir": str, "restarts": int, "standby_nice": int}

@@ -12,7 +12,7 @@ and scipy's, the only threads the imports start) is held to one thread. A rank t
 The zygote stays in its process group with the ranks (killing the group kills every rank) and writes each rank's
 exit status to ``<log>.rc`` as it reaps it (the code, or minus the signal that killed it, as `subprocess` does).
 
-    python -m dynatrain.forked_ranks SPEC.json
+    python -m dynatrain.launch.forked SPEC.json
 
 A process that launches many jobs in turn (a test session, a benchmark's repeats) can keep one zygote for all of them
 (*serving*): it imports once, then reads one spec path per line from its stdin and answers each with the pid of a
@@ -20,7 +20,7 @@ child that runs that launch as above, leading a process group of its own (the la
 its output in the spec's ``log``; the server writes the child's exit status to the spec's ``rc`` when it reaps it.
 It ends when its stdin closes and its launches have ended, or at once when the process that started it is gone.
 
-    python -m dynatrain.forked_ranks --serve MODULE...
+    python -m dynatrain.launch.forked --serve MODULE...
 
 Every process here ends with the one that forked or started it (on Linux): a launch whose caller was killed (a test
 run stopped from outside) does not leave ranks behind that wait forever on peers or a store that are gone.
@@ -156,7 +156,7 @@ def _preload(names: list[str]) -> None:
     for name in names:
         importlib.import_module(name)
     if names:
-        from dynatrain.memory import freeze_import_time_objects
+        from dynatrain.runtime.memory import freeze_import_time_objects
 
         freeze_import_time_objects()
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts side of the zoo's LightningModule (`dynatrain.llama_lm.CausalLM`).
+"""The mixture-of-experts side of the zoo's LightningModule (`dynatrain.lm.causal_lm.CausalLM`).
 
 An MoE model is built and parallelised through its kind's spec (`models.registry`: `models.builders.build_moe` and
 `parallelize_moe_for`, ep and pp included), and its routers' load is read from each layer's ``tokens_per_expert``:

@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
 )
 
-from dynatrain.models.pipeline import PipelineStages
+from dynatrain.models.pipeline_split import PipelineStages
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
