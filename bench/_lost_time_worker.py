@@ -36,7 +36,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 import dynatrain  # noqa: E402
 from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
+from dynatrain.elastic.manager import JOIN_CHECKPOINT  # noqa: E402
+from dynatrain.settings import JOIN_ENV  # noqa: E402
 from dynatrain.launch.local import finish_rank  # noqa: E402
 from dynatrain.lm.causal_lm import LlamaLM  # noqa: E402
 from dynatrain.runtime.memory import resident_bytes  # noqa: E402

@@ -30,7 +30,8 @@ import dynatrain  # noqa: E402
 from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
 import dynatrain.elastic.world as world_mod  # noqa: E402
 import dynatrain.engine as engine_mod  # noqa: E402
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV  # noqa: E402
+from dynatrain.elastic.manager import JOIN_CHECKPOINT  # noqa: E402
+from dynatrain.settings import JOIN_ENV  # noqa: E402
 from dynatrain.launch.local import finish_rank  # noqa: E402
 from dynatrain.lm.causal_lm import LlamaLM  # noqa: E402
 from dynatrain.vps.parallel_config import ParallelConfig  # noqa: E402

@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from dynatrain.launch.local import launch_local
-from dynatrain.runtime.memory import HEAP_ENV, TUNABLES_ENV
+from dynatrain.runtime.memory import TUNABLES_ENV
+from dynatrain.settings import HEAP_ENV
 
 HERE = Path(__file__).resolve().parent
 WAYS = {

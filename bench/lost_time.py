@@ -46,7 +46,7 @@ from _spawn import Spawner  # this folder
 
 from dynatrain.elastic.store import start_store
 from dynatrain.launch.local import PRELOAD, host_store, joiner_env, launch_local, rank_env
-from dynatrain.runtime.memory import HEAP_ENV
+from dynatrain.settings import HEAP_ENV
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "_lost_time_worker.py")

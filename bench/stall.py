@@ -117,7 +117,7 @@ def run_once(mode: str, args, work: Path, index: int) -> dict:
     if mode == "pool":
         cmd += ["--elastic.standby", "2"]
     from dynatrain.launch.job import standby_env
-    from dynatrain.elastic.manager import ELASTIC_ENV
+    from dynatrain.settings import ELASTIC_ENV
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DYNATRAIN_STALL_DIR": str(run_dir / "reports"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}

@@ -85,6 +85,19 @@ _SETTINGS = (
 
 SETTINGS: dict[str, Setting] = {s.env: s for s in _SETTINGS}
 
+# The variables' names, for the modules that read them (through `explicit_or_env`) or set them for a process
+# they start.
+CACHE_ENV = "DYNATRAIN_CACHE"
+ELASTIC_ENV = "DYNATRAIN_ELASTIC"
+ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"
+TOKEN_ENV = "DYNATRAIN_TOKEN"
+JOIN_ENV = "DYNATRAIN_JOIN"
+REJOIN_ENV = "DYNATRAIN_REJOIN"
+STORE_TOKEN_ENV = "DYNATRAIN_STORE_TOKEN"
+FREEZE_ENV = "DYNATRAIN_GC_FREEZE"
+HEAP_ENV = "DYNATRAIN_HEAP"
+THREADS_ENV = "DYNATRAIN_THREADS"
+VERBOSE_ENV = "DYNATRAIN_VERBOSE"
 RDZV_ENV = "DYNATRAIN_RDZV"
 RDZV_BACKEND = "dynatrain"  # torchrun's --rdzv-backend name, and the value its agent gives RDZV_ENV
 

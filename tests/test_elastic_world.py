@@ -103,7 +103,8 @@ def test_mismatched_model_config_is_refused_at_registration(job_store):
 
 
 def test_a_managers_store_and_join_come_from_its_config_before_what_a_launcher_carried(job_store, monkeypatch):
-    from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV, ElasticConfig, ElasticManager
+    from dynatrain.elastic.manager import ElasticConfig, ElasticManager
+    from dynatrain.settings import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
 
     monkeypatch.setenv(ENDPOINT_ENV, "127.0.0.1:1")  # nothing listens there: used, it would fail
     monkeypatch.setenv(TOKEN_ENV, "not-" + TOKEN)

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from dynatrain.launch.local import joiner_env, rank_env
-from dynatrain.runtime.memory import HEAP_ENV, HEAP_TUNABLES, TUNABLES_ENV, heap_env
+from dynatrain.runtime.memory import HEAP_TUNABLES, TUNABLES_ENV, heap_env
+from dynatrain.settings import HEAP_ENV
 
 OURS = [f"{k}={v}" for k, v in HEAP_TUNABLES]
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"

@@ -147,7 +147,8 @@ def test_every_argument_the_table_names_exists():
 
 
 def test_the_elastic_config_is_an_argument_and_the_launchers_json_only_its_default(monkeypatch):
-    from dynatrain.elastic.manager import ELASTIC_ENV, ElasticConfig
+    from dynatrain.elastic.manager import ElasticConfig
+    from dynatrain.settings import ELASTIC_ENV
 
     monkeypatch.delenv(ELASTIC_ENV, raising=False)
     assert ElasticConfig.parse(None) is None  # not given, nothing carried: not elastic
@@ -161,7 +162,8 @@ def test_the_elastic_config_is_an_argument_and_the_launchers_json_only_its_defau
 
 
 def test_join_rejoin_and_the_store_take_the_argument_before_the_environment(monkeypatch):
-    from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_ENV, REJOIN_ENV, TOKEN_ENV, ElasticConfig
+    from dynatrain.elastic.manager import ElasticConfig
+    from dynatrain.settings import ENDPOINT_ENV, JOIN_ENV, REJOIN_ENV, TOKEN_ENV
 
     for var in (JOIN_ENV, REJOIN_ENV, ENDPOINT_ENV, TOKEN_ENV):
         monkeypatch.delenv(var, raising=False)
@@ -185,10 +187,14 @@ def test_join_rejoin_and_the_store_take_the_argument_before_the_environment(monk
 
 
 def test_thread_split_heap_cache_freeze_and_verbosity_take_the_argument_first(monkeypatch, tmp_path):
-    from dynatrain.cli.quiet import VERBOSE_ENV, is_verbose
-    from dynatrain.data.corpus import CACHE_ENV, cache_dir
-    from dynatrain.runtime.memory import FREEZE_ENV, HEAP_ENV, TUNABLES_ENV, freeze_import_time_objects, heap_env
-    from dynatrain.runtime.threads import SPLIT, THREADS_ENV, splits_threads
+    from dynatrain.cli.quiet import is_verbose
+    from dynatrain.settings import VERBOSE_ENV
+    from dynatrain.data.corpus import cache_dir
+    from dynatrain.settings import CACHE_ENV
+    from dynatrain.runtime.memory import TUNABLES_ENV, freeze_import_time_objects, heap_env
+    from dynatrain.settings import FREEZE_ENV, HEAP_ENV
+    from dynatrain.runtime.threads import SPLIT, splits_threads
+    from dynatrain.settings import THREADS_ENV
 
     monkeypatch.setenv(THREADS_ENV, SPLIT)
     assert splits_threads() and not splits_threads(False)
@@ -218,8 +224,8 @@ def test_thread_split_heap_cache_freeze_and_verbosity_take_the_argument_first(mo
 def test_the_process_flags_win_over_the_environment_and_leave_the_command_line(monkeypatch):
     from dynatrain.cli import main
     from dynatrain.cli.process_flags import take_process_flags
-    from dynatrain.cli.quiet import VERBOSE_ENV
-    from dynatrain.runtime.memory import FREEZE_ENV, HEAP_ENV
+    from dynatrain.settings import VERBOSE_ENV
+    from dynatrain.settings import FREEZE_ENV, HEAP_ENV
 
     monkeypatch.setenv(HEAP_ENV, "reuse")
     monkeypatch.setenv(FREEZE_ENV, "1")
@@ -273,7 +279,8 @@ def test_importing_dynatrain_changes_nothing_but_the_strategy_registration():
 
 
 def test_the_training_entry_point_freezes_before_any_model_and_the_flag_turns_it_off(monkeypatch):
-    from dynatrain.runtime.memory import FREEZE_ENV, freeze_import_time_objects
+    from dynatrain.runtime.memory import freeze_import_time_objects
+    from dynatrain.settings import FREEZE_ENV
 
     code = """
         import gc, sys

@@ -13,7 +13,8 @@ import dynatrain.runtime.threads as threads
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager
 from dynatrain.elastic.world import register
 from dynatrain.launch.local import joiner_env, rank_env
-from dynatrain.runtime.threads import SPLIT, THREADS_ENV, launch_env, mark_if_unset, resplit, share
+from dynatrain.runtime.threads import SPLIT, launch_env, mark_if_unset, resplit, share
+from dynatrain.settings import THREADS_ENV
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ def add_args(ap) -> None:
 def run(args, device: torch.device) -> dict:
     if device.type != "cuda":  # what the settings do on a CPU host is measured by bench/heap.py
         return {"status": "skipped", "reason": "skipped: no CUDA (the CPU's figures: bench/heap.py)"}
-    from dynatrain.runtime.memory import HEAP_ENV, heap_env
+    from dynatrain.runtime.memory import heap_env
+    from dynatrain.settings import HEAP_ENV
 
     runs, checks = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

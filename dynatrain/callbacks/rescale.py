@@ -30,14 +30,13 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
-from dynatrain.callbacks.rescale_options import (
-    TOKEN_ENV, read_or_create_token, signal_number, source_options, watch_options,
-)
+from dynatrain.callbacks.rescale_options import read_or_create_token, signal_number, source_options, watch_options
 from dynatrain.callbacks.rescale_plan import (
     Decision, Unpriced, accepts_keyword, accepts_leave, plan_target, workload_for,
 )
 from dynatrain.callbacks.switch_log import SwitchLog, resolve_run_dir
 from dynatrain.elastic.rendezvous import launched_by_rendezvous
+from dynatrain.settings import TOKEN_ENV, explicit_or_env
 from dynatrain.policy import GiB, Devices, LayoutPolicy, choose_layout
 from dynatrain.planner.network import NetworkModel
 from dynatrain.signals.agreement import MergedRequest, Proposal, Slot, all_gather_slots, encode_slot, merge_proposals
@@ -305,8 +304,8 @@ class ElasticCallback(pl.Callback):
         if opts.get("token_file"):
             self.token_file = Path(opts["token_file"])
             return read_or_create_token(self.token_file)
-        if os.environ.get(TOKEN_ENV):
-            return os.environ[TOKEN_ENV]
+        if explicit_or_env(None, TOKEN_ENV):
+            return explicit_or_env(None, TOKEN_ENV)
         self.token_file = run_dir / "control.token"
         return read_or_create_token(self.token_file, fresh=True)
 

@@ -8,7 +8,6 @@ import signal
 from collections.abc import Mapping
 from pathlib import Path
 
-TOKEN_ENV = "DYNATRAIN_TOKEN"
 
 
 def source_options(value: bool | dict | None, name: str, keys: set[str]) -> dict | None:

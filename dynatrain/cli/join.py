@@ -15,16 +15,17 @@ from pathlib import Path
 
 from dynatrain.cli.devices import own_device
 from dynatrain.cli.process_flags import add_process_flags
-from dynatrain.elastic.manager import ENDPOINT_ENV, JOIN_CHECKPOINT, JOIN_ENV, TOKEN_ENV
+from dynatrain.elastic.manager import JOIN_CHECKPOINT
+from dynatrain.settings import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV, explicit_or_env
 from dynatrain.runtime.threads import mark_if_unset
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="add this process to a running elastic job",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--endpoint", default=os.environ.get(ENDPOINT_ENV),
+    p.add_argument("--endpoint", default=explicit_or_env(None, ENDPOINT_ENV),
                    help=f"HOST:PORT of the job's store (default: ${ENDPOINT_ENV})")
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the job's token (default: ${TOKEN_ENV})")
+    p.add_argument("--token", default=explicit_or_env(None, TOKEN_ENV), help=f"the job's token (default: ${TOKEN_ENV})")
     p.add_argument("--token-file", help="a file holding the job's token (the launcher writes one)")
     p.add_argument("--device", type=int, default=None,
                    help="the GPU this process trains on, an index among the visible ones (default: $LOCAL_RANK, as "

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from dynatrain.cli.quiet import VERBOSE_ENV
-from dynatrain.runtime.memory import FREEZE_ENV, HEAP_CHOICES, HEAP_ENV
+from dynatrain.settings import VERBOSE_ENV
+from dynatrain.runtime.memory import HEAP_CHOICES
+from dynatrain.settings import FREEZE_ENV, HEAP_ENV
 
 # flag -> (the variable it sets, the value, help)
 SWITCHES = {

@@ -13,9 +13,8 @@ import os
 import re
 import warnings
 
-from dynatrain.settings import explicit_or_env
+from dynatrain.settings import VERBOSE_ENV, explicit_or_env
 
-VERBOSE_ENV = "DYNATRAIN_VERBOSE"
 
 # Lightning's start-up lines, printed again by every process that builds a Trainer (joiners, standby processes).
 _INFO = (

@@ -14,9 +14,9 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from dynatrain.settings import TOKEN_ENV, explicit_or_env
 
 HELP = "ask a running job to scale to N devices or to a layout (through its control endpoint)"
-TOKEN_ENV = "DYNATRAIN_TOKEN"
 
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def _answer(body: bytes) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV)
+    token = explicit_or_env(args.token or None, TOKEN_ENV)
     if not token:
         print(f"dynatrain scale: error: no token: pass --token or set {TOKEN_ENV}", file=sys.stderr)
         return 2

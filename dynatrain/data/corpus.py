@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dynatrain.data.tokenizer import Tokenizer
-from dynatrain.settings import explicit_or_env
+from dynatrain.settings import CACHE_ENV, explicit_or_env
 
 DEFAULT_MAX_CORPUS_BYTES = 4_000_000
 """About 4 MB of the standard library: ~30k windows of 128 bytes, tokenised in well under a second."""
@@ -40,7 +40,6 @@ class SourceFile:
     mtime_ns: int
 
 
-CACHE_ENV = "DYNATRAIN_CACHE"
 
 
 def cache_dir(cache: str | Path | None = None) -> Path:

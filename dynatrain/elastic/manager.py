@@ -33,15 +33,10 @@ from dynatrain.elastic.world import (
     registered,
     union_then_target,
 )
-from dynatrain.settings import explicit_or_env
+from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, REJOIN_ENV, TOKEN_ENV, explicit_or_env
 from dynatrain.runtime.threads import host_name, resplit, splits_threads
 
 # What a launcher carries to the processes it starts, read as the defaults of `ElasticConfig` (dynatrain.settings):
-ENDPOINT_ENV = "DYNATRAIN_ENDPOINT"  # ElasticConfig.endpoint
-TOKEN_ENV = "DYNATRAIN_TOKEN"  # ElasticConfig.token
-ELASTIC_ENV = "DYNATRAIN_ELASTIC"  # the launcher's ElasticConfig (JSON), for strategies created with elastic=None
-JOIN_ENV = "DYNATRAIN_JOIN"  # ElasticConfig.join: "1" in a process that joins a running job instead of starting one
-REJOIN_ENV = "DYNATRAIN_REJOIN"  # ElasticConfig.rejoin: "1" from a launcher with a standby pool
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store
 # Every member waits at the rendezvous for the last admitted joiner to notice: poll often (one small store request).
 ADMISSION_POLL = 0.01

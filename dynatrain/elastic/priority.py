@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import resource
+from dynatrain.settings import ELASTIC_ENV, explicit_or_env
 
 # Where the members keep every core busy, a standby at niceness 10 gets a tenth of a member's share and may never be
 # ready (`make demo` on 2 cores: not by the run's end); at 4 it gets about 40 % of a member's share and is ready
@@ -47,7 +48,7 @@ def check_amount(by: int, name: str = "standby_nice") -> int:
 def launcher_amount(env=None) -> int:
     """The increment a job's launcher gave its processes (``--elastic.standby_nice``, carried in
     ``$DYNATRAIN_ELASTIC``), else the default: what a standby process uses before its strategy's config is read."""
-    raw = (os.environ if env is None else env).get("DYNATRAIN_ELASTIC")
+    raw = explicit_or_env(None, ELASTIC_ENV, env=env)
     try:
         carried = json.loads(raw) if raw else None
     except ValueError:

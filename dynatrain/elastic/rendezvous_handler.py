@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
-from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
+from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
 from dynatrain.elastic.store import check_token, parse_endpoint, serve_in_process
 from dynatrain.settings import RDZV_BACKEND as BACKEND
 from dynatrain.settings import RDZV_ENV, explicit_or_env

@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from dynatrain.settings import STORE_TOKEN_ENV, explicit_or_env
 
 TOKEN_KEY = "dynatrain/token_sha256"
 SHUTDOWN_KEY = "dynatrain/shutdown"
-TOKEN_ENV = "DYNATRAIN_STORE_TOKEN"  # the default of --token: how start_store passes it, off the command line
 
 
 def _token_hash(token: str) -> bytes:
@@ -53,7 +53,7 @@ def connect(endpoint: str, token: str, timeout: float = 60.0):
     except (RuntimeError, OSError) as e:
         raise ConnectionError(f"no dynatrain store answers at {endpoint} within {timeout:.0f}s: check the "
                               f"endpoint the launcher wrote, and that the store process still runs ({e})") from None
-    check_token(store, endpoint, token, f"pass the token the job was started with (--token, or ${TOKEN_ENV})")
+    check_token(store, endpoint, token, f"pass the token the job was started with (--token, or ${STORE_TOKEN_ENV})")
     return store
 
 
@@ -150,7 +150,7 @@ def start_store(token: str, workdir: Path, port: int = 0, host: str = "0.0.0.0",
     # does not need and which would triple its start-up time.
     cmd = [sys.executable, str(Path(__file__).resolve()), "--port", str(port), "--host", host,
            "--endpoint-file", str(endpoint_file), "--parent-pid", str(os.getpid())]
-    env = dict(os.environ, **{TOKEN_ENV: token})  # not on the command line, where `ps` would show it
+    env = dict(os.environ, **{STORE_TOKEN_ENV: token})  # not on the command line, where `ps` would show it
     proc = subprocess.Popen(cmd, env=env, stdout=log or subprocess.DEVNULL, stderr=log or subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -169,14 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="dynatrain's long-lived rendezvous store")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--token", default=None, help=f"job token (default: ${TOKEN_ENV})")
+    p.add_argument("--token", default=None, help=f"job token (default: ${STORE_TOKEN_ENV})")
     p.add_argument("--endpoint-file", type=Path, default=None, help="write HOST:PORT here once serving")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (default: the process that started this one)")
     args = p.parse_args(argv)
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    token = explicit_or_env(args.token, STORE_TOKEN_ENV)
     if not token:
-        p.error(f"a token is required: pass --token or set ${TOKEN_ENV}")
+        p.error(f"a token is required: pass --token or set ${STORE_TOKEN_ENV}")
     serve(args.port, token, args.endpoint_file, args.parent_pid or os.getppid(), host=args.host)
 
 

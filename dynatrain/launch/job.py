@@ -27,7 +27,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from dynatrain.elastic.manager import ELASTIC_ENV, ENDPOINT_ENV, FINISHED_KEY, REJOIN_ENV, TOKEN_ENV, initial_member
+from dynatrain.elastic.manager import FINISHED_KEY, initial_member
+from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV
 from dynatrain.elastic.priority import DEFAULT_STANDBY_NICE, check_amount
 from dynatrain.runtime.threads import launch_env
 

@@ -57,7 +57,7 @@ def joiner_env(env: dict[str, str] | None, processes: int, heap: str | None = No
     """The environment of a process that joins a running job (`dynatrain join`): this process's environment, then
     ``env`` (the job's store endpoint and token), then the join flag (the default of `ElasticConfig.join`); threads
     split the cores among ``processes`` unless ``env`` sets ``OMP_NUM_THREADS``, and the heap as for `rank_env`."""
-    from dynatrain.elastic.manager import JOIN_ENV
+    from dynatrain.settings import JOIN_ENV
 
     full = launch_env(heap_env({**os.environ, **(env or {}), JOIN_ENV: "1", "PYTHONUNBUFFERED": "1"}, heap),
                       processes)
@@ -150,7 +150,7 @@ def launch_elastic(
     """
     import secrets
 
-    from dynatrain.elastic.manager import ENDPOINT_ENV, TOKEN_ENV
+    from dynatrain.settings import ENDPOINT_ENV, TOKEN_ENV
     from dynatrain.elastic.store import start_store
 
     workdir = Path(workdir)
@@ -317,7 +317,7 @@ def _server(preload: Collection[str], env: dict[str, str]) -> _Server:
     """The kept zygote for ``preload`` and ``env`` (started on first use, again if it died). Only the elastic store's
     address and token, and pytest's name of the test it runs, tell one launch's environment from the next's; a change
     in any other variable, which the imports may have read, gets a zygote of its own."""
-    from dynatrain.elastic.manager import ENDPOINT_ENV, TOKEN_ENV
+    from dynatrain.settings import ENDPOINT_ENV, TOKEN_ENV
 
     per_launch = (ENDPOINT_ENV, TOKEN_ENV, "PYTEST_CURRENT_TEST")
     key = (tuple(preload), tuple(sorted((k, v) for k, v in env.items() if k not in per_launch)))

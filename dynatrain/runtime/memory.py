@@ -27,10 +27,10 @@ import gc
 import os
 import sys
 from collections.abc import Mapping
+from dynatrain.settings import FREEZE_ENV, HEAP_ENV, explicit_or_env
 
 # Each variable here is the default of an argument, which wins when given (dynatrain.settings lists them; this
 # module sits below it and applies the same precedence itself).
-FREEZE_ENV = "DYNATRAIN_GC_FREEZE"  # "0": freeze_import_time_objects keeps every object visible to the collector
 
 try:
     _malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc
@@ -50,7 +50,6 @@ except (OSError, AttributeError):
     _mallinfo2 = None
 
 
-HEAP_ENV = "DYNATRAIN_HEAP"  # "reuse" (the default): the settings below; "glibc": glibc's malloc as it is
 HEAP_CHOICES = ("reuse", "glibc")
 TUNABLES_ENV = "GLIBC_TUNABLES"
 # glibc maps every block above its mmap threshold (at most 32 MiB) afresh and unmaps it when freed, so each step
@@ -143,7 +142,7 @@ def freeze_import_time_objects(enabled: bool | None = None) -> int:
     of a process freezes. ``enabled``: an explicit argument wins; None takes ``$DYNATRAIN_GC_FREEZE`` ("0": off;
     ``--no-gc-freeze`` on the command line sets it for every process of the job), on by default."""
     global _frozen
-    if not (enabled if enabled is not None else os.environ.get(FREEZE_ENV) != "0"):
+    if explicit_or_env(enabled, FREEZE_ENV, lambda raw: raw != "0") is False:
         return 0
     if _frozen:
         return gc.get_freeze_count()

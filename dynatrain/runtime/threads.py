@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from dynatrain.settings import THREADS_ENV, explicit_or_env
 
 # "split": dynatrain chose this process's count and keeps it split; the default of ElasticConfig.split_threads
 # (dynatrain.settings; this module sits below it and applies the same precedence itself, `splits_threads`).
-THREADS_ENV = "DYNATRAIN_THREADS"
 SPLIT = "split"
 
 
@@ -64,7 +64,7 @@ def host_name() -> str:
 def splits_threads(split: bool | None = None) -> bool:
     """Whether dynatrain sets this process's thread count after a world change: ``split`` when given (an explicit
     argument wins), else whether a launcher of dynatrain's chose the count (``$DYNATRAIN_THREADS=split``)."""
-    return split if split is not None else os.environ.get(THREADS_ENV) == SPLIT
+    return bool(explicit_or_env(split, THREADS_ENV, lambda raw: raw == SPLIT))
 
 
 def resplit(processes_on_host: int, split: bool | None = None) -> int | None:

@@ -28,7 +28,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 import dynatrain
 from dynatrain.runtime import control_group
 from dynatrain.data import LlamaDataModule
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
+from dynatrain.elastic.manager import JOIN_CHECKPOINT
+from dynatrain.settings import JOIN_ENV, explicit_or_env
 from dynatrain.launch.local import finish_rank
 from dynatrain.lm.causal_lm import CausalLM
 from dynatrain.models.pipeline_split import pipeline_stages
@@ -302,7 +303,7 @@ def main() -> None:
     args = ap.parse_args()
     layouts = [s.strip() for s in args.layouts.split(">")]
     steps = args.steps or args.steps_between * len(layouts)
-    joining = os.environ.get(JOIN_ENV) == "1"
+    joining = explicit_or_env(None, JOIN_ENV) == "1"
     # A joiner is one process that enters a running world; its rank comes with the switch that admits it.
     world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)

@@ -18,10 +18,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 import dynatrain
 from dynatrain.data import LlamaDataModule
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
+from dynatrain.elastic.manager import JOIN_CHECKPOINT
+from dynatrain.settings import JOIN_ENV
 from dynatrain.launch.local import finish_rank
 from dynatrain.lm.causal_lm import LlamaLM
-from dynatrain.runtime.threads import THREADS_ENV
+from dynatrain.settings import THREADS_ENV
 
 warnings.filterwarnings("ignore")
 

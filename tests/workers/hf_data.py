@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 import dynatrain
 from dynatrain.data.iterable import IterableTokenWindows
 from dynatrain.callbacks.rescale import ElasticCallback
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
+from dynatrain.elastic.manager import JOIN_CHECKPOINT
+from dynatrain.settings import JOIN_ENV
 from dynatrain.launch.local import finish_rank
 from dynatrain.models.auto_parallel import tied_groups
 

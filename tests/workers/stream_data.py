@@ -27,7 +27,8 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader
 
 import dynatrain
-from dynatrain.elastic.manager import JOIN_CHECKPOINT, JOIN_ENV
+from dynatrain.elastic.manager import JOIN_CHECKPOINT
+from dynatrain.settings import JOIN_ENV
 from dynatrain.launch.local import finish_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
