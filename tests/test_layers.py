@@ -101,3 +101,22 @@ def test_every_import_goes_down_the_layers():
             if there != here and tier[there] >= tier[here]:
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports that do not go down the layers: " + ", ".join(sorted(upward))
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+
+
+def test_files_and_functions_stay_small():
+    """A file is read whole and a function at one glance: past these a file holds two jobs and a function two steps."""
+    big = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(PKG.parent)
+        if text.count("\n") > MAX_FILE_LINES:
+            big.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    big.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not big, f"over {MAX_FILE_LINES} lines a file or {MAX_FUNCTION_LINES} a function: " + ", ".join(big)

@@ -271,8 +271,7 @@ def load_class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def main() -> None:
-    warnings.filterwarnings("ignore")
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="debug")
@@ -300,7 +299,12 @@ def main() -> None:
     ap.add_argument("--module", default=None,
                     help="pkg.module:Class, a LightningModule to check instead of the zoo's CausalLM")
     ap.add_argument("--datamodule", default=None, help="pkg.module:Class (default: the embedded corpus, bytes)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    args = _arguments()
     layouts = [s.strip() for s in args.layouts.split(">")]
     steps = args.steps or args.steps_between * len(layouts)
     joining = explicit_or_env(None, JOIN_ENV) == "1"
