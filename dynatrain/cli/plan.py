@@ -4,7 +4,12 @@
     dynatrain plan --model qwen3-235b-a22b --from dp_shard=32,tp=4,ep=16 --to dp_shard=64,tp=2,ep=32
     dynatrain plan --model llama3-70b --from dp_shard=16,tp=8 --to pp=2,dp_shard=8,tp=8 [--stages-per-rank 1]
         [--rank-map identity|optimal] [--budget-mb 2048] [--gpus-per-node 8] [--link-gbps 200]
-        [--nics-per-node 8] [--intra-node-gbps 3200] [--state fp32-adam|bf16-adam|fp32] [--json]
+        [--nics-per-node 8] [--intra-node-gbps 3200] [--state fp32-adam|bf16-adam|fp32] [--hash-s-per-gib 0.14]
+        [--json]
+
+Besides the transfer it predicts the whole stall on its busiest rank, phase by phase (`policy.stall_model`): the
+target's communicators, its build, the plan, the transfer and the check, with the formation in the stall and with
+it done ahead.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dynatrain.models.registry import get_zoo_config, spec_for, zoo_names
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
+from dynatrain.policy.stall_model import CPU_HASH, CheckCost, predict_stall
 from dynatrain.vps.layout import STATE_KINDS
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -76,6 +82,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--state", choices=sorted(STATE_KINDS), default="fp32-adam",
                         help="fp32-adam: fp32 weight + Adam moments (12 B/element); bf16-adam: bf16 weight + fp32 "
                              "master + moments (14 B/element); fp32: weights only")
+    parser.add_argument("--hash-s-per-gib", type=float, default=CPU_HASH.s_per_gib, metavar="S",
+                        help=f"seconds the switch's check takes to hash a GiB on the devices (default "
+                             f"{CPU_HASH.s_per_gib:g}: one CPU thread, measured; a GPU's rate is not measured)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
     return parser
@@ -95,6 +104,8 @@ def compute(args: argparse.Namespace) -> dict:
         raise ValueError(f"--budget-mb must be positive, got {args.budget_mb}")
     if args.stages_per_rank < 1:
         raise ValueError(f"--stages-per-rank must be at least 1, got {args.stages_per_rank}")
+    if not args.hash_s_per_gib >= 0:
+        raise ValueError(f"--hash-s-per-gib must be 0 or more, got {args.hash_s_per_gib}")
     budget = max(1, int(args.budget_mb * (1 << 20)))
     network = NetworkModel(args.gpus_per_node or 8, args.link_gbps, args.nics_per_node, args.intra_node_gbps)
 
@@ -116,6 +127,13 @@ def compute(args: argparse.Namespace) -> dict:
 
     total = plan.bytes_total
     asg = plan.assignment
+    predicted = network.predict_seconds(plan.traffic)
+    hashed = max((sent.get(p, 0) + recv.get(p, 0) for p in plan.processes), default=0)
+    check = (CPU_HASH if args.hash_s_per_gib == CPU_HASH.s_per_gib
+             else CheckCost(args.hash_s_per_gib, device="given with --hash-s-per-gib"))
+    stall = predict_stall(model, args.new, processes_old=len(old.processes), joining=len(asg.joiners),
+                          transfer_s=predicted, plan_s=plan_seconds, hashed_bytes=hashed,
+                          states_per_parameter=len(STATE_KINDS[args.state]), stages_per_rank=v, check=check)
     return {
         "model": model.name,
         "state": args.state,
@@ -142,7 +160,7 @@ def compute(args: argparse.Namespace) -> dict:
         "phases": len(plan.groups),
         "budget_bytes": budget,
         "peak_staging_bytes": plan.peak_staging_bytes,
-        "predicted_seconds": network.predict_seconds(plan.traffic),
+        "predicted_seconds": predicted,
         "plan_seconds": plan_seconds,
         "timed_rank": busiest,
         "network": {
@@ -150,6 +168,7 @@ def compute(args: argparse.Namespace) -> dict:
             "nics_per_node": network.nics_per_node, "intra_node_gbps": network.intra_node_gbps,
             "round_latency_s": network.round_latency_s,
         },
+        "stall": stall.as_dict(),
     }
 
 
@@ -191,8 +210,30 @@ def render(r: dict) -> str:
         f"per GPU inside a node, {net['round_latency_s'] * 1e6:g} us per round; see docs/planner.md)",
         f"planning                   {r['plan_seconds']:.3f} s (one rank: layouts, assignment, routing, "
         f"schedule, its own pieces; timed on rank {r['timed_rank']})",
+        *_stall_lines(r["stall"]),
     ]
     return "\n".join(lines)
+
+
+def _stall_lines(s: dict) -> list[str]:
+    """The whole stall's phase table (`policy.stall_model`; its sources in docs/benchmarks.md)."""
+    sizes = ", ".join(str(n) for n in s["communicators"])
+    rows = [
+        ("world", s["world"], True, f"NCCL set-up of the target world (ranks: {s['communicators'][0]})"),
+        ("mesh groups", s["mesh"], True, f"NCCL set-up of {len(s['communicators']) - 1} more communicator(s), "
+                                         f"one after another (all sizes: {sizes})"),
+        ("control group", s["control"], True, "gloo, one connection per peer"),
+        ("build", s["build"], True, f"{s['wrapped']} parameters wrapped on meta, {s['split']} split by tp"),
+        ("plan", s["plan"], True, "as timed above"),
+        ("transfer", s["transfer"], False, "as predicted above"),
+        ("check", s["check"], False, f"{_size(s['hashed_bytes'])} hashed (sent + received) at {s['check_rate']}"),
+    ]
+    out = ["whole stall, busiest rank   in stall   ahead"]
+    for name, seconds, movable, what in rows:
+        out.append(f"  {name:24s}{seconds:9.3f} {0.0 if movable else seconds:7.3f} s  {what}")
+    out.append(f"predicted stall            {s['in_stall']:.3f} s with the formation in the stall, {s['ahead']:.3f} s "
+               "with it done ahead (formation, build and plan before the boundary)")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
