@@ -16,7 +16,7 @@ steps over TCP (NVIDIA/nccl#1791), and loops over all pairs of ranks in ``ncclBu
   CUDA kernels' load that a process pays once (NVIDIA/nccl#534, the comment of 2024-07-22, NCCL's own
   ``Init timings`` line): a training process has paid it already;
 - ``a + b*98,304 + c*98,304**2`` = 265 s: stock NCCL's initialisation at 96K GPUs (Meta's NCCLX paper, arXiv
-  2510.20171, section on start-up).
+  2510.20171).
 
 So ``a`` = 2.26 s, ``b`` = 1.96 ms per rank: 2.39 s at 64 ranks, 2.52 s at 128, 4.3 s at 1,024, 18.8 s at 8,192. Every
 communicator is priced as a fresh ``ncclCommInitRank``: a split from the world's communicator (``ncclCommSplit``,
@@ -29,8 +29,8 @@ two ranks or more that is not the whole world (a group over every rank is the de
 `models.parallelize.connect_mesh_groups` connects one after another, each rank in one group per name. A scale-out's
 joiners also need the world the bytes travel on (the old and new processes together); a scale-in travels on the
 old world. The control group is gloo (`runtime.control_group`): a TCP connection to each peer,
-``GLOO_PER_PEER_S`` each (1 to 4 ms for a gloo ``new_group`` of 2 to 4 ranks on one host, /work/shared notes;
-a cross-host connection costs at least that).
+``GLOO_PER_PEER_S`` each (a gloo ``new_group`` of 2 to 4 ranks takes 1 to 4 ms on this repository's CPU host; a
+connection across hosts costs at least that).
 
 **Build** (`BuildCost`): the module parallelised for the target on the meta device and its placements read, per
 parameter the rank wraps (its pipeline stage's): ``wrap_s`` for every one, ``tp_s`` more for each one tensor
