@@ -63,14 +63,16 @@ def test_stall_grows_with_ranks_and_parameters():
 
 @pytest.mark.parametrize("target", ["dp_shard=64", "dp_shard=8,tp=8", "pp=2,dp_shard=4,tp=8", "dp_shard=16,tp=4,ep=16",
                                     "dp_replicate=2,dp_shard=32", "dp_shard=2"])
-@pytest.mark.parametrize("joining", [0, 8])
+@pytest.mark.parametrize("joining", [0, 8, 64])
 def test_formation_ahead_never_above_in_stall(target, joining):
     model = "qwen3-235b-a22b" if "ep" in target else "llama3-70b"
     s = _stall(model, target, joining=joining)
     assert 0 <= s.ahead <= s.in_stall
     assert s.in_stall - s.ahead == pytest.approx(s.formation + s.build + s.plan)
     assert s.ahead == pytest.approx(s.transfer + s.check)
-    assert len(s.communicators) == 1 + len(target_communicators(ParallelConfig.parse(target))) + (joining > 0)
+    union = 128 + joining > ParallelConfig.parse(target).world_size  # someone leaves as others join
+    assert s.worlds == 1 + (joining > 0 and union)
+    assert len(s.communicators) == s.worlds + len(target_communicators(ParallelConfig.parse(target)))
 
 
 def _case(capsys, *argv):
@@ -162,3 +164,16 @@ def test_the_stall_model_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_worlds_formed_union_then_target():
+    """A pure scale-out's union is its target; a change that adds and drops processes forms the union first; a
+    scale-in travels on the old world (docs/elastic.md)."""
+    def worlds(old, joining, target):
+        s = predict_stall("llama3-70b", ParallelConfig.parse(target), processes_old=old, joining=joining,
+                          transfer_s=0.0, plan_s=0.0, hashed_bytes=0)
+        return s.communicators[:s.worlds], s.world
+
+    assert worlds(64, 64, "dp_shard=16,tp=8") == ((128,), pytest.approx(nccl(128)))
+    assert worlds(128, 8, "dp_shard=16,tp=8") == ((136, 128), pytest.approx(nccl(136) + nccl(128)))
+    assert worlds(128, 0, "dp_shard=8,tp=8") == ((64,), pytest.approx(nccl(64)))

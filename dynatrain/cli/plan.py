@@ -217,20 +217,22 @@ def render(r: dict) -> str:
 
 def _stall_lines(s: dict) -> list[str]:
     """The whole stall's phase table (`policy.stall_model`; its sources in docs/benchmarks.md)."""
-    sizes = ", ".join(str(n) for n in s["communicators"])
+    worlds, mesh = s["communicators"][:s["worlds"]], s["communicators"][s["worlds"]:]
+    world = (f"the union world ({worlds[0]} ranks), then the target's ({worlds[1]})" if len(worlds) == 2
+             else f"the target world ({worlds[0]} ranks)")
     rows = [
-        ("world", s["world"], True, f"NCCL set-up of the target world (ranks: {s['communicators'][0]})"),
-        ("mesh groups", s["mesh"], True, f"NCCL set-up of {len(s['communicators']) - 1} more communicator(s), "
-                                         f"one after another (all sizes: {sizes})"),
+        ("world", s["world"], True, f"NCCL set-up of {world}"),
+        ("mesh groups", s["mesh"], True, f"NCCL set-up of {len(mesh)} communicator(s), one after another"
+                                         + (f" ({', '.join(map(str, mesh))} ranks)" if mesh else "")),
         ("control group", s["control"], True, "gloo, one connection per peer"),
         ("build", s["build"], True, f"{s['wrapped']} parameters wrapped on meta, {s['split']} split by tp"),
         ("plan", s["plan"], True, "as timed above"),
         ("transfer", s["transfer"], False, "as predicted above"),
         ("check", s["check"], False, f"{_size(s['hashed_bytes'])} hashed (sent + received) at {s['check_rate']}"),
     ]
-    out = ["whole stall, busiest rank   in stall   ahead"]
+    out = ["whole stall (each phase on its busiest rank)    in stall   ahead"]
     for name, seconds, movable, what in rows:
-        out.append(f"  {name:24s}{seconds:9.3f} {0.0 if movable else seconds:7.3f} s  {what}")
+        out.append(f"  {name:41s}{seconds:9.3f} {0.0 if movable else seconds:7.3f} s  {what}")
     out.append(f"predicted stall            {s['in_stall']:.3f} s with the formation in the stall, {s['ahead']:.3f} s "
                "with it done ahead (formation, build and plan before the boundary)")
     return out

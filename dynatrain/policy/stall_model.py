@@ -26,9 +26,10 @@ one at scale.
 **Which communicators a switch forms** (`target_communicators`): the target world's default group (every rank),
 one per name of the target mesh (root dimensions and the flattened names `ParallelConfig.flattened_dims` gives) of
 two ranks or more that is not the whole world (a group over every rank is the default group itself): the groups
-`models.parallelize.connect_mesh_groups` connects one after another, each rank in one group per name. A scale-out's
-joiners also need the world the bytes travel on (the old and new processes together); a scale-in travels on the
-old world. The control group is gloo (`runtime.control_group`): a TCP connection to each peer,
+`models.parallelize.connect_mesh_groups` connects one after another, each rank in one group per name. A change that
+both adds and drops processes first forms the world the bytes travel on, the old and new processes together
+(docs/elastic.md, "union, then target"); a pure scale-out's union is its target, a scale-in travels on the old
+world. The control group is gloo (`runtime.control_group`): a TCP connection to each peer,
 ``GLOO_PER_PEER_S`` each (a gloo ``new_group`` of 2 to 4 ranks takes 1 to 4 ms on this repository's CPU host; a
 connection across hosts costs at least that).
 
@@ -161,14 +162,15 @@ def wrapped_parameters(model: str | ZooConfig, target: ParallelConfig, stages_pe
 class StallPrediction:
     """Seconds per phase of one switch, on its busiest rank."""
 
-    world: float       # the target world's communicator (and the world the bytes travel on, for joiners)
+    world: float       # the target world's communicator, after the union's where joiners and leavers meet
     mesh: float        # the target mesh's communicators, one after another
     control: float     # the gloo control group over the target world
     build: float       # the target module parallelised on meta, its placements read
     plan: float        # the routing plan, one rank's share
     transfer: float    # the routing planner's network model
     check: float       # hashing the moved bytes on both sides
-    communicators: tuple[int, ...]  # sizes of every communicator formed, the world first
+    communicators: tuple[int, ...]  # sizes of every communicator formed: the worlds first, then the mesh groups
+    worlds: int
     hashed_bytes: int
     wrapped: int
     split: int
@@ -205,12 +207,14 @@ def predict_stall(model: str | ZooConfig, target: ParallelConfig, *, processes_o
         raise ValueError(f"bad switch figures: processes_old={processes_old}, joining={joining}, "
                          f"hashed_bytes={hashed_bytes}, transfer_s={transfer_s}, plan_s={plan_s}")
     n = target.world_size
-    worlds = [n] + ([processes_old + joining] if joining else [])
+    union = processes_old + joining
+    worlds = ([union] if joining and union > n else []) + [n]
     mesh = target_communicators(target)
     wrapped, split = wrapped_parameters(model, target, stages_per_rank)
     return StallPrediction(
         world=sum(nccl.seconds(w) for w in worlds), mesh=sum(nccl.seconds(g) for g in mesh),
         control=GLOO_PER_PEER_S * (n - 1), build=build.seconds(wrapped, split), plan=plan_s, transfer=transfer_s,
         check=check.seconds(hashed_bytes, wrapped * states_per_parameter), communicators=(*worlds, *mesh),
+        worlds=len(worlds),
         hashed_bytes=hashed_bytes, wrapped=wrapped, split=split,
         check_rate=f"{check.s_per_gib:g} s/GiB, {check.device}")
