@@ -17,8 +17,9 @@ from typing import Any
 from torch import nn
 
 from dynatrain import engine
+from dynatrain.check import verify
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
-from dynatrain.switch import replicas, verify
+from dynatrain.switch import replicas
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.in_world import InWorldPrep, in_world_inputs, plan_in_world, planner_rank_map
 from dynatrain.switch.payload import JoinPayload, decode_kept, encode_kept
