@@ -35,6 +35,7 @@ from dynatrain.check.hashing import PieceSums
 from dynatrain.check.int64 import wrap64
 from dynatrain.check.module_states import PARAM_GROUP, SCHEDULER, module_state_tensors
 from dynatrain.check.placement import local_part, placed_indices
+from dynatrain.check.replicas import kept_scalars
 from dynatrain.check.state_sums import StateSums, explain, local_sums
 from dynatrain.engine.wire import local_box
 from dynatrain.runtime import control_group
@@ -117,10 +118,7 @@ def before(held, plan, me: int) -> Before:
     names = tuple(s.name for s in held.captured.specs)
     shapes = {s.name: tuple(s.shape) for s in held.captured.specs}
     tensors, scalars = _live(held.module, held.optimizer, kept.schedulers)
-    scalar_names = sorted({f"{p}.{k}" for p, entries in kept.scalars.items() for k in entries}
-                          | {f"{PARAM_GROUP}.{i}" for i in range(len(kept.groups))}
-                          | {f"{SCHEDULER}.{i}" for i in range(len(kept.schedulers))})
-    out = Before(names, [0] * len(names), local_sums({}, scalars, scalar_names))
+    out = Before(names, [0] * len(names), local_sums({}, scalars, sorted(kept_scalars(kept))))
     at = {n: i for i, n in enumerate(names)}
     rp, memo = plan.rank_plan(me), {}
     sources = held.captured.sources
