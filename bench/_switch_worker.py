@@ -24,7 +24,7 @@ from dynatrain.switch.in_world import planner_rank_map
 from dynatrain.launch.local import finish_rank
 import dynatrain.engine as engine_mod
 from dynatrain.engine import wire
-from dynatrain.engine.transition import states_kept_in_place
+from dynatrain.engine.local_copies import states_kept_in_place
 from dynatrain.engine.wire import box_view, recv_staged, send_staged, slots, split_message
 from dynatrain.data import LlamaDataModule
 from dynatrain.engine import torch_dtype

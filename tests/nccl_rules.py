@@ -34,7 +34,7 @@ from pathlib import Path
 
 ENV = "DYNATRAIN_NCCL_RULES"
 DEVICE_ENV = "DYNATRAIN_NCCL_RULES_DEVICE"
-_CONTROL_FILE = os.path.join("dynatrain", "control.py")
+_CONTROL_FILE = os.path.join("dynatrain", "runtime", "control_group.py")
 _P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
 _COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
                 "broadcast", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",

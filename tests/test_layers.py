@@ -74,7 +74,7 @@ TIERS = [
     {"runtime", "vps"},
     {"models", "planner", "data"},
     {"engine", "signals", "elastic"},
-    {"policy", "lm"},
+    {"policy", "lm", "check"},
     {"switch"},
     {"strategies"},
     {"callbacks"},

@@ -1,10 +1,10 @@
-"""Survivors compare the copies they would recover from (`switch.replicas`): equal replicas pass, a copy that
+"""Survivors compare the copies they would recover from (`check.replicas`): equal replicas pass, a copy that
 ran one more update than its twin is named, whoever compares."""
 
 import pytest
 import torch
 
-from dynatrain.switch.replicas import ReplicaSums, box_order, compare, explain, kept_scalars, local_sums
+from dynatrain.check.replicas import ReplicaSums, box_order, compare, explain, kept_scalars, local_sums
 from dynatrain.switch.states import Kept
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig

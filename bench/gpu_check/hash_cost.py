@@ -1,6 +1,6 @@
-"""Part (c): what the switch's check costs on the device: seconds per GiB of `placed_sums.indexed_checksum` (the
+"""Part (c): what the switch's check costs on the device: seconds per GiB of `check.hashing.indexed_checksum` (the
 GPU hashes in parts of bounded size), float32 and bfloat16, and the memory its temporaries take beyond the tensor
-(``max_memory_allocated`` over the hash): at most `placed_sums._DEVICE_TEMP_BYTES` plus the allocator's rounding.
+(``max_memory_allocated`` over the hash): at most `hashing._DEVICE_TEMP_BYTES` plus the allocator's rounding.
 
     python bench/gpu_check/hash_cost.py --device cuda --out /tmp/c.json
 """
@@ -19,7 +19,8 @@ def add_args(ap) -> None:
 
 
 def run(args, device: torch.device) -> dict:
-    from dynatrain.engine import placed_sums
+    from dynatrain.check import hashing
+    from dynatrain.check.int64 import wrap64
 
     cuda = device.type == "cuda"
     gib = args.gib or (2.0 if cuda else 1 / 64)
@@ -29,9 +30,9 @@ def run(args, device: torch.device) -> dict:
         rows_n = max(1, int(gib * 2**30) // (dtype.itemsize * cols))
         t = torch.randn(rows_n, cols, device=device).to(dtype)
         ix = [range(rows_n), range(cols)]
-        reference = placed_sums.indexed_checksum(t[:64].cpu(), [range(64), ix[1]], (rows_n, cols))
-        bounded = placed_sums._checksum(t[:64], [range(64), ix[1]], (rows_n, cols), bounded=True)
-        same = placed_sums.wrap64(int(bounded)) == reference  # on the CPU: the bounded way against the matrix products
+        reference = hashing.indexed_checksum(t[:64].cpu(), [range(64), ix[1]], (rows_n, cols))
+        bounded = hashing._checksum(t[:64], [range(64), ix[1]], (rows_n, cols), bounded=True)
+        same = wrap64(int(bounded)) == reference  # on the CPU: the bounded way against the matrix products
         times = []
         if cuda:
             torch.cuda.synchronize(device)
@@ -39,7 +40,7 @@ def run(args, device: torch.device) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(args.repeats):
             start = time.perf_counter()
-            placed_sums.indexed_checksum(t, ix, (rows_n, cols))  # its one host transfer waits for the device
+            hashing.indexed_checksum(t, ix, (rows_n, cols))  # its one host transfer waits for the device
             times.append(time.perf_counter() - start)
         nbytes = t.numel() * t.element_size()
         temporaries = torch.cuda.max_memory_allocated(device) - base if cuda else None
@@ -48,7 +49,7 @@ def run(args, device: torch.device) -> dict:
                      "s_per_gib_each": [x / (nbytes / 2**30) for x in times], "temporaries_bytes": temporaries})
         checks[f"{name}_equals_the_cpu_hash"] = same
         if cuda:
-            checks[f"{name}_temporaries_bounded"] = temporaries <= placed_sums._DEVICE_TEMP_BYTES + (64 << 20)
+            checks[f"{name}_temporaries_bounded"] = temporaries <= hashing._DEVICE_TEMP_BYTES + (64 << 20)
         del t
     return {"gib": gib, "hashes": rows, "checks": checks}
 

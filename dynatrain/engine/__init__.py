@@ -1,4 +1,12 @@
-"""The transition engine: runs a `SwitchPlan` on a process group (the only layer that moves bytes)."""
+"""The transition engine: runs a `SwitchPlan` on a process group, and moves bytes only (the only layer that does).
+
+transition.py (`run_transition`, the engine's entry point: one rank's run, round by round; `allocate_destinations`),
+rounds.py (one round's slots and timings, alike for the batched and the streamed way), wire.py (which pieces go on
+the wire in place, which are packed, and where), local_copies.py (states kept in place, the order of local copies),
+checks.py (what a rank hands in and gets back, checked before any byte moves), stats.py (`TransitionStats`, live
+bytes), device_memory.py (the bound kept for a GPU's caching allocator), copy_threads.py (the copies' threads on a
+CPU). Whether the bytes landed where their tensors say is not the engine's to judge: `dynatrain.check` does that.
+"""
 
 from dynatrain.engine.checks import (
     TransitionError,

@@ -3,6 +3,7 @@ and the check of the source tensors a caller passes in, before any byte moves.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -23,6 +24,11 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"no torch dtype for layout dtype {name!r}; known: {', '.join(_DTYPES)}") from None
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """The bytes of a local tensor of ``shape`` and layout dtype ``dtype``."""
+    return math.prod(shape) * torch_dtype(dtype).itemsize
 
 
 class TransitionError(RuntimeError):

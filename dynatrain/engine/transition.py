@@ -39,9 +39,9 @@ On CPU the copies run with fewer intra-op threads than the process has (`engine.
 
 from __future__ import annotations
 
-import math
 import mmap
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
@@ -51,14 +51,16 @@ from dynatrain.engine.checks import (
     TransitionError,
     expected_destinations,
     expected_sources,
+    tensor_bytes,
     torch_dtype,
     validate_sources,
 )
 from dynatrain.engine.copy_threads import intra_op_threads
 from dynatrain.engine.device_memory import DeviceMemory
+from dynatrain.engine.local_copies import copy_order, states_kept_in_place
+from dynatrain.engine.rounds import Round
 from dynatrain.engine.stats import LiveBytes, TransitionStats
-from dynatrain.engine.wire import WireOp, box_view, in_place, local_box, recv_staged, send_staged, slots, split_message
-from dynatrain.planner.routing import Transfer
+from dynatrain.engine.wire import WireOp, box_view, in_place, round_slots, split_message
 from dynatrain.planner.schedule import SwitchPlan
 
 GroupRanks = Mapping[int, int] | Sequence[int] | Callable[[int], int] | None
@@ -133,29 +135,6 @@ def allocate_destinations(plan: SwitchPlan, rank: int, device: torch.device | st
     return out
 
 
-def states_kept_in_place(plan: SwitchPlan, rank: int) -> set[str]:
-    """The states whose new local tensor on process ``rank`` is its old one: the same shape, and every element it
-    holds a local copy onto the same local coordinates (nothing received). The engine adopts those sources as
-    their destinations instead of copying them."""
-    rp = plan.rank_plan(rank)
-    received = {t.state for ms in rp.recvs for m in ms for t in m.pieces}
-    copies: dict[str, list[Transfer]] = {}
-    for ts in rp.local_copies:
-        for t in ts:
-            copies.setdefault(t.state, []).append(t)
-    out = set()
-    for name, ts in copies.items():
-        if name in received:
-            continue
-        s_sh, d_sh = plan.old.shards(name, rank), plan.new.shards(name, rank)
-        if tuple(s_sh.local_shape) != tuple(d_sh.local_shape):
-            continue
-        if all(local_box(s_sh.offsets[t.src_shard], t.src_box) == local_box(d_sh.offsets[t.dst_shard], t.dst_box)
-               for t in ts) and sum(t.dst_box.numel for t in ts) == math.prod(s_sh.local_shape):
-            out.add(name)
-    return out
-
-
 class _RankTransition:
     """One rank's run of a plan: its sources and destinations, the uses left per source, the staging buffer and
     the live-byte count, advanced one round at a time."""
@@ -203,21 +182,15 @@ class _RankTransition:
         self.live.add(stats.src_bytes)
         largest = max((t.numel() * t.element_size() for t in src.values() if isinstance(t, torch.Tensor)),
                       default=0)
-        for name, (shape, dtype) in self.dst_spec.items():
-            n = 1
-            for d in shape:
-                n *= d
-            stats.dst_bytes += n * torch_dtype(dtype).itemsize
-            largest = max(largest, n * torch_dtype(dtype).itemsize)
+        for shape, dtype in self.dst_spec.values():
+            stats.dst_bytes += tensor_bytes(shape, dtype)
+            largest = max(largest, tensor_bytes(shape, dtype))
         stats.flight_bytes = max(self.plan.budget_bytes - self.plan.staging_budget_bytes, largest)
 
     def keep_in_place(self) -> None:
         """Adopt a source as its destination where `states_kept_in_place` allows. Sends may still read it: adopting
         changes no byte."""
-        copies = {t.state: 0 for ts in self.rp.local_copies for t in ts}
-        for ts in self.rp.local_copies:
-            for t in ts:
-                copies[t.state] += 1
+        copies = Counter(t.state for ts in self.rp.local_copies for t in ts)
         for name in states_kept_in_place(self.plan, self.rank):
             if name in self.src:
                 self.dst[name] = self.src[name]  # the same bytes, from now on counted as a destination
@@ -249,11 +222,7 @@ class _RankTransition:
         self.wire = [([op for m in rp.sends[k] for op in split_message(m, old, new, m.dst)],
                       [op for m in rp.recvs[k] for op in split_message(m, old, new, m.src)])
                      for k in range(rp.num_rounds)]
-        size = 0
-        for sends, recvs in self.wire:
-            _, end = slots(sends, 0, send_staged)
-            _, end = slots(recvs, end, recv_staged)
-            size = max(size, end)
+        size = max((round_slots(sends, recvs)[2] for sends, recvs in self.wire), default=0)
         self.stats.staging_bytes = size
         # From here the bound holds for the allocator's reserved bytes too (a GPU's cache of freed blocks): measured
         # while every source is still held, so what the switch may add beyond them is the bound less the live bytes.
@@ -276,87 +245,57 @@ class _RankTransition:
         else:
             self._run_round_batched(k)
 
+    def _round(self, k: int) -> Round:
+        sends, recvs = self.wire[k]
+        return Round(sends, recvs, (len(self.rp.sends[k]), len(self.rp.recvs[k])))
+
     def _run_round_batched(self, k: int) -> None:
         """Pack, post every send and receive at once, copy locally while the wire is busy, wait, unpack. NCCL needs
         the round as one group: its point-to-point kernels of one pair share a stream, so a send posted alone
         waits for the peer's receive, which may be queued behind that peer's own send."""
-        stats = self.stats
-        sends, recvs = self.wire[k]
-        send_offs, end = slots(sends, 0, send_staged)
-        recv_offs, _ = slots(recvs, end, recv_staged)
-        t0 = time.perf_counter()
-        on_wire: set[str] = set()
-        exhausted: list[str] = []
-        buffers = [self._pack_op(op, off, on_wire, exhausted) for op, off in zip(sends, send_offs)]
-        self._sync()  # the copies out of the exhausted sources are done before their memory is handed back
-        self._free_packed(exhausted, on_wire)
-        t1 = time.perf_counter()
-        stats.seconds_pack += t1 - t0
-        ops, works = self._post(sends, buffers, recvs, recv_offs)
-        t2 = time.perf_counter()
-        self._copy_local(k, on_wire)
-        t3 = time.perf_counter()
-        stats.seconds_local += t3 - t2
+        r = self._round(k)
+        with r.timed("pack"):
+            buffers = self._pack(r.staged_sends, r.on_wire)
+        ops, works = self._post(buffers, r)
+        with r.timed("local"):
+            self._copy_local(k, r.on_wire)
         for w in works:
             w.wait()
         self._sync()
-        t4 = time.perf_counter()
-        stats.seconds_wire += (t2 - t1) + (t4 - t3)
-        del ops, works, buffers
-        self._free_exhausted(on_wire)
-        for op, off in zip(recvs, recv_offs):
-            self._unpack_op(op, off)
-        self._sync()
-        stats.seconds_unpack += time.perf_counter() - t4
-        self._count_messages(k)
+        with r.timed("unpack"):
+            del ops, works, buffers
+            self._free_exhausted(r.on_wire)
+            for op, off in r.staged_recvs:
+                self._unpack_op(op, off)
+            self._sync()
+        r.close(self.stats)
 
     def _run_round_streamed(self, k: int) -> None:
         """The round with the copies beside the wire (gloo, whose transport thread writes and reads the sockets):
         every receive posted first; each send posted as soon as it is packed, so the next one is packed while it
         travels; the local copies; each receive unpacked as soon as it has arrived, in the plan's order, while
         the later ones are still arriving. Per pair, sends and receives keep the plan's order on both sides."""
-        stats = self.stats
-        sends, recvs = self.wire[k]
-        send_offs, end = slots(sends, 0, send_staged)
-        recv_offs, _ = slots(recvs, end, recv_staged)
+        r = self._round(k)
         group, peer_of = self.group, self.peer_of
-        t0 = time.perf_counter()
         receiving = [dist.irecv(self._recv_buffer(op, off), group=group, group_src=peer_of(op.peer))
-                     for op, off in zip(recvs, recv_offs)]
-        packing = 0.0
-        on_wire: set[str] = set()
+                     for op, off in r.staged_recvs]
         sending, buffers = [], []
-        for op, off in zip(sends, send_offs):
-            t = time.perf_counter()
-            exhausted: list[str] = []
-            buffer = self._pack_op(op, off, on_wire, exhausted)
-            self._free_packed(exhausted, on_wire)
-            packing += time.perf_counter() - t
+        for op, off in r.staged_sends:
+            with r.timed("pack"):
+                [buffer] = self._pack([(op, off)], r.on_wire)
             sending.append(dist.isend(buffer, group=group, group_dst=peer_of(op.peer)))
             buffers.append(buffer)
-        t1 = time.perf_counter()
-        self._copy_local(k, on_wire)
-        t2 = time.perf_counter()
-        unpacking = 0.0
-        for op, off, work in zip(recvs, recv_offs, receiving):
+        with r.timed("local"):
+            self._copy_local(k, r.on_wire)
+        for (op, off), work in zip(r.staged_recvs, receiving):
             work.wait()
-            t = time.perf_counter()
-            self._unpack_op(op, off)
-            unpacking += time.perf_counter() - t
+            with r.timed("unpack"):
+                self._unpack_op(op, off)
         for work in sending:
             work.wait()
-        t3 = time.perf_counter()
+        r.close(self.stats)
         del sending, receiving, buffers
-        self._free_exhausted(on_wire)
-        stats.seconds_pack += packing
-        stats.seconds_local += t2 - t1
-        stats.seconds_unpack += unpacking
-        stats.seconds_wire += (t1 - t0 - packing) + (t3 - t2 - unpacking)
-        self._count_messages(k)
-
-    def _count_messages(self, k: int) -> None:
-        self.stats.messages_sent += len(self.rp.sends[k])
-        self.stats.messages_received += len(self.rp.recvs[k])
+        self._free_exhausted(r.on_wire)
 
     def _pack_op(self, op: WireOp, off: int, on_wire: set[str], exhausted: list[str]) -> torch.Tensor:
         """The send buffer of ``op``: what is strided on this side packed into its slot of the staging buffer, else
@@ -384,11 +323,16 @@ class _RankTransition:
                 exhausted.append(t.state)
         return buffer
 
-    def _free_packed(self, exhausted: list[str], on_wire: set[str]) -> None:
-        """Free the exhausted sources that were packed (those the wire reads in place wait for it)."""
+    def _pack(self, staged: list[tuple[WireOp, int]], on_wire: set[str]) -> list[torch.Tensor]:
+        """The send buffers of ``staged`` (operation, offset), packed; then the sources whose last use that was are
+        freed, once the copies out of them are done (those the wire reads in place wait for it)."""
+        exhausted: list[str] = []
+        buffers = [self._pack_op(op, off, on_wire, exhausted) for op, off in staged]
+        self._sync()
         for name in exhausted:
             if name not in on_wire:
                 self._free_source(name)
+        return buffers
 
     def _free_exhausted(self, on_wire: set[str]) -> None:
         """Free the sources the wire read in place whose last use has gone out."""
@@ -405,19 +349,19 @@ class _RankTransition:
                                                 t.dst_box))
         return self.staging[off:off + op.nbytes]
 
-    def _post(self, sends: list[WireOp], buffers: list[torch.Tensor], recvs: list[WireOp], offs: list[int]):
-        """Post the round's sends and receives in one batch; returns the operations (held until the wait) and
-        their works."""
+    def _post(self, buffers: list[torch.Tensor], r: Round):
+        """Post the round's sends (of ``buffers``) and receives in one batch; returns the operations (held until
+        the wait) and their works."""
         group, peer_of = self.group, self.peer_of
-        ops = [dist.P2POp(dist.isend, b, group=group, group_peer=peer_of(op.peer)) for op, b in zip(sends, buffers)]
+        ops = [dist.P2POp(dist.isend, b, group=group, group_peer=peer_of(op.peer)) for op, b in zip(r.sends, buffers)]
         ops += [dist.P2POp(dist.irecv, self._recv_buffer(op, off), group=group, group_peer=peer_of(op.peer))
-                for op, off in zip(recvs, offs)]
+                for op, off in r.staged_recvs]
         works = dist.batch_isend_irecv(ops) if ops else []
         return ops, works
 
     def _copy_local(self, k: int, on_wire: set[str]) -> None:
         src, uses = self.src, self.uses
-        for t in _copy_order(self.rp.local_copies[k], self.kept, uses, src, self.dst, self.dst_spec):
+        for t in copy_order(self.rp.local_copies[k], self.kept, uses, src, self.dst, self.dst_spec):
             s_sh, d_sh = self.src_shards[t.state], self.dst_shards[t.state]
             out = box_view(self._get_dst(t.state), d_sh.offsets[t.dst_shard], t.dst_box)
             out.copy_(box_view(src[t.state], s_sh.offsets[t.src_shard], t.src_box))
@@ -470,7 +414,7 @@ class _RankTransition:
         t = self.dst.get(name)
         if t is None:
             shape, dtype = self.dst_spec[name]
-            self.device_memory.make_room(math.prod(shape) * torch_dtype(dtype).itemsize)
+            self.device_memory.make_room(tensor_bytes(shape, dtype))
             t = self.dst[name] = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
             self.live.add(t.numel() * t.element_size())
         return t
@@ -494,27 +438,3 @@ def _resolve_peers(group_ranks: GroupRanks) -> Callable[[int], int]:
             raise TransitionError(f"process {p} of the plan has no rank in the process group mapping") from None
 
     return peer
-
-
-def _copy_order(copies, kept, uses, src, dst, dst_spec) -> list[Transfer]:
-    """The round's local copies grouped by state, states that free more than they allocate first, so a
-    shrinking state never waits behind a growing one (the peak of a local-only switch is then at most the
-    sources plus one destination tensor)."""
-    groups: dict[str, list[Transfer]] = {}
-    for t in copies:
-        if t.state not in kept:  # kept states were adopted in place before round 0
-            groups.setdefault(t.state, []).append(t)
-
-    def net(name: str) -> int:
-        grow = 0
-        if name not in dst:
-            shape, dtype = dst_spec[name]
-            grow = torch_dtype(dtype).itemsize
-            for d in shape:
-                grow *= d
-        s = src.get(name)
-        free = s.numel() * s.element_size() if s is not None and uses[name] == len(groups[name]) else 0
-        return grow - free
-
-    order = sorted(groups, key=net)
-    return [t for name in order for t in groups[name]]

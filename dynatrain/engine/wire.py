@@ -83,6 +83,14 @@ def slots(ops: list[WireOp], start: int, staged: Callable[[WireOp], bool]) -> tu
     return offs, pos
 
 
+def round_slots(sends: list[WireOp], recvs: list[WireOp]) -> tuple[list[int], list[int], int]:
+    """Where a round's staged operations sit in the staging buffer, its sends' slots first and its receives' after
+    them: (the sends' offsets, the receives' offsets, the bytes the round stages in all)."""
+    send_offs, end = slots(sends, 0, send_staged)
+    recv_offs, end = slots(recvs, end, recv_staged)
+    return send_offs, recv_offs, end
+
+
 def send_staged(op: WireOp) -> bool:
     return not op.src_direct
 

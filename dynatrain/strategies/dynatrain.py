@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dynatrain.runtime.control_group import new_control_group
 from dynatrain.elastic import priority
 from dynatrain.elastic.manager import JOIN_CHECKPOINT, ElasticConfig, ElasticManager, JobEnded, member_info
-from dynatrain.engine.placed_sums import warm_up as warm_up_switch_check
+from dynatrain.check.hash_weights import warm_up as warm_up_switch_check
 from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.checkpointing import ActivationCheckpointing
@@ -82,7 +82,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         reduce_dtype: FSDP2 mixed precision: dtype of the gradient reduce-scatter.
         verify_switches: check every layout switch bitwise: each moved element hashed where it was sent and where
             it landed, indexed by its tensor's own placements, never by the plan; what stayed checked by its
-            indices; optimizer scalars and LR schedulers hashed whole (see `dynatrain.switch.verify`). Its seconds
+            indices; optimizer scalars and LR schedulers hashed whole (see `dynatrain.check.verify`). Its seconds
             are the report's ``verify`` phase.
         switch_budget_mb: transient memory per rank for a layout switch beyond holding the state once: half
             stages a round's send + receive buffers, half holds the states in flight (see docs/planner.md).

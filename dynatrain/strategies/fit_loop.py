@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 
-from dynatrain.switch.verify import SwitchVerificationError
+from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.switch.recovery import WorldChangeError, is_peer_loss
 
 

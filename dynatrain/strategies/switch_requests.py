@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dynatrain.elastic.store import connect as connect_store
-from dynatrain.switch.verify import SwitchVerificationError
+from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.strategies.pipeline_runner import check_pipeline_module
 from dynatrain.switch import driver
 from dynatrain.switch.capture import Captured, check_switchable

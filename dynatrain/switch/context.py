@@ -20,7 +20,7 @@ from dynatrain.vps.parallel_config import ParallelConfig
 
 @dataclass(frozen=True)
 class SwitchSettings:
-    """``verify``: check every switch against the tensors' own placements (`switch.verify`); ``budget_bytes``: the
+    """``verify``: check every switch against the tensors' own placements (`check.verify`); ``budget_bytes``: the
     transient memory a switch may use per rank; ``rank_map``: ``"auto"``, ``"optimal"`` or ``"identity"``."""
 
     verify: bool = True

@@ -28,9 +28,9 @@ from typing import Any
 from torch import nn
 
 from dynatrain import engine
+from dynatrain.check import verify
 from dynatrain.engine.stats import TransitionStats
 from dynatrain.runtime.memory import release_freed_memory, resident_bytes
-from dynatrain.switch import verify
 from dynatrain.switch.adopt import adopt_module, adopt_optimizer
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.moves import SAME_WORLD, Build, Move, Planned

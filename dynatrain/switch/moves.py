@@ -17,8 +17,8 @@ from typing import Any
 from torch import nn
 
 from dynatrain import engine
+from dynatrain.check import replicas, verify
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
-from dynatrain.switch import replicas, verify
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.in_world import InWorldPrep, in_world_inputs, plan_in_world, planner_rank_map
 from dynatrain.switch.payload import JoinPayload, decode_kept, encode_kept
@@ -273,7 +273,7 @@ class Recovery(Move):
     every shard the lost processes held also lives on a survivor (``dp_replicate >= 2``, or TP-replicated states),
     the survivors hold the whole committed state: the plan starts from the old layout with the lost processes'
     data unreadable and ends on a layout for the survivors. On a GPU the update may already be queued behind a
-    collective that failed and run on some survivors only, so their copies are compared first (`switch.replicas`):
+    collective that failed and run on some survivors only, so their copies are compared first (`check.replicas`):
     copies that differ stop the recovery instead of being trained on.
     """
 

@@ -73,7 +73,7 @@ class JoinPayload:
 
     ``intent``: the plan's inputs (`WorldPlan.intent`), from which a joiner derives the members' plan;
     ``target_ranks``: per new mesh position, its rank in the target world; ``union``: the member ids of the plan's
-    processes; ``kept``: `encode_kept`; ``before``: the states' checksums before the switch (`switch.verify`), or
+    processes; ``kept``: `encode_kept`; ``before``: the states' checksums before the switch (`check.verify`), or
     None unchecked; ``checkpoint``: the loop state; ``loggers``: the run's logger versions."""
 
     intent: dict

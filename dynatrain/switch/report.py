@@ -26,7 +26,7 @@ class SwitchReport:
     rank_map: list[int]
     peak_bytes: int
     peak_bound: int
-    verified: bool | None  # checked against the tensors' own placements (`switch.verify`); None: not checked
+    verified: bool | None  # checked against the tensors' own placements (`check.verify`); None: not checked
     phases: dict[str, float] = field(default_factory=dict)
     old_world_size: int | None = None
     prepared: bool = False  # planned in the background while training went on (a scale-out, or plan_ahead)

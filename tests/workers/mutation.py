@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import dynatrain
 from dynatrain import engine
 from dynatrain.data import LlamaDataModule
-from dynatrain.switch.verify import SwitchVerificationError
+from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.launch.local import finish_rank
 from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.planner.schedule import plan_switch

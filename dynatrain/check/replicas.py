@@ -3,17 +3,18 @@
 GPU work is asynchronous. When a peer dies, each survivor has queued work behind the collective that failed, and
 what of it ran differs between them: one may have applied an optimizer step (on gradients a failed reduction left
 half-written) that another never reached. A recovery reads every region from one of the survivors that hold it, so
-copies that differ would be trained on silently, each process from another past. So every survivor hashes each
-box of the old layout it holds (`placed_sums.PieceSums`: the switch check's hash, by the box's global indices, read
-from a GPU in one transfer) and each scalar it keeps (the optimizer's ``step`` per parameter, its hyper-parameters,
-the LR schedulers' states; `scalar_hash`), hands the list over with its report of being alive (`ElasticManager.agree_on_survivors`, through the job's store:
-no collective on a world that is broken or not formed yet), and every survivor compares, from the same agreed
-reports, the sums of each region among the survivors that hold it. Any difference stops the recovery on every
-survivor alike, naming the states, and the job resumes from its snapshot.
+copies that differ would be trained on silently, each process from another past. So every survivor hashes each box
+of the old layout it holds (`hashing.PieceSums`: the switch check's hash, by the box's global indices, read from a
+GPU in one transfer) and each scalar it keeps (the optimizer's ``step`` per parameter, its hyper-parameters, the LR
+schedulers' states; `scalar_hash`), hands the list over with its report of being alive
+(`ElasticManager.agree_on_survivors`, through the job's store: no collective on a world that is broken or not formed
+yet), and every survivor compares, from the same agreed reports, the sums of each region among the survivors that
+hold it. Any difference stops the recovery on every survivor alike, naming the states, and the job resumes from its
+snapshot.
 
 A report lists only sums, in the order of the old layout's boxes (states in order, each process's boxes in order),
 which every survivor derives from the same layout; about 20 bytes per box. Its cost is one read of this process's
-state (0.14 s per GiB of float32 on one CPU thread, `placed_sums`), before it reports.
+state (0.14 s per GiB of float32 on one CPU thread, `hashing`), before it reports.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dynatrain.engine.placed_sums import PieceSums, scalar_hash
+from dynatrain.check.hashing import PieceSums
+from dynatrain.check.module_states import PARAM_GROUP, SCHEDULER
+from dynatrain.check.scalars import scalar_hash
 from dynatrain.vps.layout import Layout
 
 SHOWN = 8  # states named in an error at most; the count says how many more differ
@@ -64,9 +67,9 @@ def kept_scalars(kept) -> dict[str, object]:
         for key, value in entries.items():
             out[f"{param}.{key}"] = value
     for i, group in enumerate(kept.groups):
-        out[f"#param_group.{i}"] = group
+        out[f"{PARAM_GROUP}.{i}"] = group
     for i, state in enumerate(kept.schedulers):
-        out[f"#scheduler.{i}"] = state
+        out[f"{SCHEDULER}.{i}"] = state
     return out
 
 

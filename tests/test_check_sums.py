@@ -12,21 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from dynatrain.engine.placed_sums import (
-    StateSums,
-    differing,
-    explain,
-    indexed_checksum,
-    local_sums,
-    module_state_tensors,
-    placed_indices,
-    scalar_hash,
-)
+from dynatrain.check.hashing import indexed_checksum
+from dynatrain.check.module_states import module_state_tensors
+from dynatrain.check.placement import placed_indices
+from dynatrain.check.scalars import scalar_hash
+from dynatrain.check.state_sums import StateSums, differing, explain, local_sums
 
 
 def added(*ranks: StateSums) -> StateSums:
     """What `reduce` gives for these ranks' local sums (wrapping as int64 does)."""
-    from dynatrain.engine.placed_sums import wrap64
+    from dynatrain.check.int64 import wrap64
 
     vectors = [r.vector() for r in ranks]
     return StateSums.from_vector(ranks[0].names, [wrap64(sum(col)) for col in zip(*vectors)])
@@ -51,7 +46,8 @@ def random_bits(shape, dtype, g) -> torch.Tensor:
 
 def reference(full: torch.Tensor) -> int:
     """The checksum of a whole tensor by its definition (the comment above `indexed_checksum`), unit by unit."""
-    from dynatrain.engine.placed_sums import _ROW, wrap64
+    from dynatrain.check.hash_weights import ROW as _ROW
+    from dynatrain.check.int64 import wrap64
 
     def a(r):  # splitmix64, odd
         z = (r + 0x9E3779B97F4A7C15) & M64
@@ -93,12 +89,12 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 def both_ways(monkeypatch, local, indices, shape) -> int:
     """`indexed_checksum` by int8 matrix products and elementwise: asserts they agree and leave ``local`` as it
     was."""
-    from dynatrain.engine import placed_sums
+    from dynatrain.check import hash_weights
 
     kept = local.clone()
     fast = indexed_checksum(local, indices, shape)
     with monkeypatch.context() as m:
-        m.setitem(placed_sums._tables, "int_mm", False)
+        m.setitem(hash_weights._tables, "int_mm", False)
         slow = indexed_checksum(local, indices, shape)
     assert fast == slow, (tuple(shape), local.dtype)
     assert torch.equal(raw(local), raw(kept))
@@ -107,7 +103,7 @@ def both_ways(monkeypatch, local, indices, shape) -> int:
 
 def test_int8_matrix_products_are_exact_on_an_x86_cpu():
     """Where they are not (or missing), the elementwise way hashes: the same sums, slower."""
-    from dynatrain.engine.placed_sums import _int_mm_exact
+    from dynatrain.check.hash_weights import int_mm_exact as _int_mm_exact
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip(f"CPU capability {torch.backends.cpu.get_cpu_capability()}: no int8 matrix product expected")
@@ -131,7 +127,11 @@ def test_checksum_is_its_definition_for_every_dtype_both_ways(monkeypatch):
 
 
 def test_weights_are_odd_distinct_and_their_digits_exact():
-    from dynatrain.engine.placed_sums import _DIGITS, _ROW, _row_weight, _row_weights, _weights
+    from dynatrain.check.hash_weights import DIGITS as _DIGITS
+    from dynatrain.check.hash_weights import ROW as _ROW
+    from dynatrain.check.hash_weights import row_weight as _row_weight
+    from dynatrain.check.hash_weights import row_weights as _row_weights
+    from dynatrain.check.hash_weights import weights as _weights
 
     b, digits, powers = _weights(4, torch.device("cpu"), True)
     assert bool((b % 2 == 1).all()) and len(set(b.tolist())) == _ROW and 0 < int(b.min()) and int(b.max()) < 1 << 32
@@ -231,11 +231,12 @@ def test_threads_split_the_tasks_without_changing_the_sum(monkeypatch):
 def test_the_gpus_bounded_parts_cover_each_element_once_and_sum_alike(monkeypatch):
     """The way a GPU hashes (parts of at most a fixed number of units, summed on the device), run on the CPU with a
     small limit: every part within it, every element in exactly one part, the sum bit for bit the whole's."""
-    from dynatrain.engine import placed_sums
-    from dynatrain.engine.placed_sums import _checksum, bounded_parts, wrap64
+    from dynatrain.check import hashing
+    from dynatrain.check.hashing import _checksum, bounded_parts
+    from dynatrain.check.int64 import wrap64
 
     limit = 1000
-    monkeypatch.setattr(placed_sums, "_CHUNK_ACCELERATOR", limit)
+    monkeypatch.setattr(hashing, "_CHUNK_ACCELERATOR", limit)
     g = torch.Generator().manual_seed(6)
     cases = [((), torch.float32), ((5000,), torch.float32), ((3, 5000), torch.bfloat16), ((2, 3, 700), torch.float32),
              ((40, 300), torch.float64), ((17, 1), torch.int8), ((9, 20, 30), torch.float16)]
@@ -257,7 +258,8 @@ def test_the_gpus_bounded_parts_cover_each_element_once_and_sum_alike(monkeypatc
 
 
 def test_piece_sums_add_per_state_as_the_pieces_checksums_do():
-    from dynatrain.engine.placed_sums import PieceSums, wrap64
+    from dynatrain.check.hashing import PieceSums
+    from dynatrain.check.int64 import wrap64
 
     g = torch.Generator().manual_seed(8)
     full = torch.randn(30, 50, generator=g)
@@ -318,7 +320,7 @@ def test_strided_shard_after_shard_gives_every_index_not_a_box():
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dynatrain.engine.placed_sums import _strided_indices
+    from dynatrain.check.placement import _strided_indices
 
     for placements in [(Shard(0), _StridedShard(0, split_factor=2)), (_StridedShard(0, split_factor=2), Shard(0)),
                        (_StridedShard(1, split_factor=3), Shard(1))]:
@@ -623,14 +625,14 @@ def worker(out: str) -> None:
     from functools import partial
 
     from dynatrain.runtime import control_group
-    from dynatrain.engine import placed_sums
+    from dynatrain.check import state_sums
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     # The sums travel on the control group, as in a switch.
     group = control_group.new_control_group()
-    all_names, compare, reduce = (partial(f, group=group) for f in (placed_sums.all_names, placed_sums.compare,
-                                                                     placed_sums.reduce))
+    all_names, compare, reduce = (partial(f, group=group) for f in (state_sums.all_names, state_sums.compare,
+                                                                     state_sums.reduce))
     rank = dist.get_rank()
     result: dict = {"rank": rank, "equal": {}, "replication": {}}
 

@@ -1,5 +1,5 @@
 """The check of every switch, indexed by what the tensors themselves say (their DTensor placements and mesh, through
-torch's offset arithmetic: `engine.placed_sums`), never by the plan the engine ran.
+torch's offset arithmetic: `check.placement`), never by the plan the engine ran.
 
 Every element of a new shard got there one of two ways, and each is checked against the tensors' own placements:
 
@@ -16,7 +16,7 @@ And each new shard must be written whole and once (the regions received and copi
 regions the engine moved, and each of those claims is checked; no claim is taken as the index of an element.
 
 The optimizer's scalars (``step``), its hyper-parameters and the LR schedulers' states are hashed whole before and
-after (`placed_sums.local_sums`). A world change reduces the sums of before on the old world and hands them to
+after (`state_sums.local_sums`). A world change reduces the sums of before on the old world and hands them to
 joining processes. The check's seconds are the ``verify`` phase of the switch's report: it reads the moved bytes
 once more on each side, not the whole state.
 """
@@ -26,19 +26,32 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from dynatrain.runtime import control_group
-from dynatrain.engine import placed_sums
-from dynatrain.engine.placed_sums import StateSums, placed_indices, wrap64
+from dynatrain.check.hashing import PieceSums
+from dynatrain.check.int64 import wrap64
+from dynatrain.check.module_states import PARAM_GROUP, SCHEDULER, module_state_tensors
+from dynatrain.check.placement import local_part, placed_indices
+from dynatrain.check.replicas import kept_scalars
+from dynatrain.check.state_sums import StateSums, explain, local_sums
 from dynatrain.engine.wire import local_box
-from dynatrain.switch.capture import local_tensor
-from dynatrain.switch.context import SwitchContext
+from dynatrain.runtime import control_group
 
-GROUP = "#param_group"
-SCHEDULER = "#scheduler"
+
+class CheckContext(Protocol):
+    """What the check reads of a switch's context (a `dynatrain.switch.context.SwitchContext` has it): the module
+    and optimizer the process trains on, and the current world's control group."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def control_group(self) -> Any: ...
+
+    def optimizer(self) -> Any: ...
 
 
 class SwitchVerificationError(RuntimeError):
@@ -59,11 +72,11 @@ class Before:
 
 def _live(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dict, dict]:
     """(routed tensors by state name, scalars by name) of a module and its optimizer, as the capture names them."""
-    tensors, scalars = placed_sums.module_state_tensors(module, optimizer, param_groups=False)
+    tensors, scalars = module_state_tensors(module, optimizer, param_groups=False)
     if optimizer is not None:
         for i, group in enumerate(optimizer.param_groups):
             # Hyper-parameters only: which parameters a group holds differs between pipeline stages.
-            scalars[f"{GROUP}.{i}"] = {k: v for k, v in group.items() if k != "params"}
+            scalars[f"{PARAM_GROUP}.{i}"] = {k: v for k, v in group.items() if k != "params"}
     for i, state in enumerate(schedulers):
         # As JSON, the form a joining process receives them in (tuples become lists).
         scalars[f"{SCHEDULER}.{i}"] = json.loads(json.dumps(state, default=repr))
@@ -71,7 +84,8 @@ def _live(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dic
 
 
 def _indices(t: torch.Tensor, memo: dict) -> list:
-    """Per dimension, the global indices of ``t``'s local elements (a 0-d tensor as the one element it is captured as)."""
+    """Per dimension, the global indices of ``t``'s local elements (a 0-d tensor as the one element it is captured
+    as)."""
     if t.dim() == 0:
         return [range(1)]
     indices = placed_indices(t, memo)
@@ -104,14 +118,11 @@ def before(held, plan, me: int) -> Before:
     names = tuple(s.name for s in held.captured.specs)
     shapes = {s.name: tuple(s.shape) for s in held.captured.specs}
     tensors, scalars = _live(held.module, held.optimizer, kept.schedulers)
-    scalar_names = sorted({f"{p}.{k}" for p, entries in kept.scalars.items() for k in entries}
-                          | {f"{GROUP}.{i}" for i in range(len(kept.groups))}
-                          | {f"{SCHEDULER}.{i}" for i in range(len(kept.schedulers))})
-    out = Before(names, [0] * len(names), placed_sums.local_sums({}, scalars, scalar_names))
+    out = Before(names, [0] * len(names), local_sums({}, scalars, sorted(kept_scalars(kept))))
     at = {n: i for i, n in enumerate(names)}
     rp, memo = plan.rank_plan(me), {}
     sources = held.captured.sources
-    with placed_sums.PieceSums(len(names)) as sent:  # read once at the end, not once per piece
+    with PieceSums(len(names)) as sent:  # read once at the end, not once per piece
         for messages in rp.sends:
             for message in messages:
                 for t in message.pieces:
@@ -127,11 +138,11 @@ def before(held, plan, me: int) -> Before:
     return out
 
 
-def _vector(ctx: SwitchContext, values: list[int]) -> list[int]:
+def _vector(ctx: CheckContext, values: list[int]) -> list[int]:
     return control_group.all_reduce_ints([wrap64(v) for v in values], ctx.control_group)
 
 
-def reduce(ctx: SwitchContext, side: Before) -> Before:
+def reduce(ctx: CheckContext, side: Before) -> Before:
     """``side`` summed over the processes of the current world (the copies stay this process's)."""
     n = len(side.names)
     total = _vector(ctx, side.sent + side.scalars.vector())
@@ -139,7 +150,7 @@ def reduce(ctx: SwitchContext, side: Before) -> Before:
 
 
 @torch.no_grad()
-def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: Sequence[dict]) -> bool:
+def after(ctx: CheckContext, old: Before, planned, reduced: bool, schedulers: Sequence[dict]) -> bool:
     """Raise `SwitchVerificationError` naming every state that differs; ``reduced``: ``old`` holds the totals over
     the old world already; ``schedulers``: the LR schedulers' states the process trains on with."""
     plan, me = planned.plan, planned.me
@@ -156,7 +167,7 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
         problems.setdefault(state, why)
 
     rp = plan.rank_plan(me)
-    with placed_sums.PieceSums(len(names)) as got:  # read once at the end, not once per piece
+    with PieceSums(len(names)) as got:  # read once at the end, not once per piece
         for messages in rp.recvs:
             for message in messages:
                 for t in message.pieces:
@@ -164,7 +175,7 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
                     cover.setdefault(t.state, []).append((lo, hi))
                     try:
                         live = tensors[t.state]
-                        got.add(at[t.state], *_piece(local_tensor(live), _indices(live, memo), lo, hi),
+                        got.add(at[t.state], *_piece(local_part(live), _indices(live, memo), lo, hi),
                                 shapes[t.state])
                     except (KeyError, ValueError, IndexError) as e:
                         fault(t.state, f"a received piece has no place in the adopted tensor ({e})")
@@ -181,7 +192,7 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
             fault(t.state, "a region kept on this process lies at other global indices after the switch")
     for state, regions in _tiles(tensors, cover, names).items():
         fault(state, regions)
-    new_scalars = placed_sums.local_sums({}, scalars, old.scalars.names)
+    new_scalars = local_sums({}, scalars, old.scalars.names)
 
     n = len(names)
     if reduced:
@@ -200,7 +211,7 @@ def after(ctx: SwitchContext, old: Before, planned, reduced: bool, schedulers: S
             wrong[name] = problems.get(name, f"{bad[i]} process(es) found its new shard misplaced")
         elif sent[i] != received[i]:
             wrong[name] = "values differ: what was received is not what was sent, at the same global indices"
-    wrong.update(placed_sums.explain(old_scalars, new_scalars))
+    wrong.update(explain(old_scalars, new_scalars))
     if wrong:
         shown = "; ".join(f"{name}: {why}" for name, why in list(wrong.items())[:5])
         raise SwitchVerificationError(
@@ -217,7 +228,7 @@ def _tiles(tensors: dict, cover: dict[str, list], names: Sequence[str]) -> dict[
         live = tensors.get(name)
         if live is None:
             continue
-        numel = local_tensor(live).numel()  # a 0-d tensor is one element, as it is captured
+        numel = local_part(live).numel()  # a 0-d tensor is one element, as it is captured
         regions = cover.get(name, [])
         volume = 0
         for lo, hi in regions:
