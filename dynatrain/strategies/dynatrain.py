@@ -204,8 +204,9 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         else:
             self.accelerator.setup_device(self.root_device)  # what Strategy.setup_environment does
             self._device = self.root_device
-            if self.elastic_setup.start(settle_process_group_backend(self)):
-                return  # a joiner: its layout came with the switch it joined
+            self.elastic_setup.start(settle_process_group_backend(self))
+            if self.parallel_config is not None:  # a joiner: its layout came with the switch it joined
+                return
         # Not a joiner after all (a `dynatrain join` whose strategy is not elastic starts a job of its own): never
         # train at a standby's priority.
         priority.restore()

@@ -20,15 +20,15 @@ class ElasticSetup:
         self.config = config
         self._join = join
 
-    def start(self, backend: str) -> bool:
-        """Form generation 0 of the job, or, in a joining process, enter the running job; True for a joiner (its
-        layout came with the switch it joined)."""
+    def start(self, backend: str) -> None:
+        """Form generation 0 of the job, or, in a joining process, enter the running job (whose switch brings the
+        layout); ``backend``: of every generation's process group."""
         strategy = self.strategy
         strategy.elastic = manager = ElasticManager(self.config, backend)
         manager.end_at_exit()
         if manager.joining:
             self._enter()
-            return True
+            return
         strategy.set_world_ranks()
         world = manager.start(strategy.global_rank, strategy.world_size, strategy.member_info())
         set_world(strategy, world.rank, world.world_size)
@@ -36,7 +36,6 @@ class ElasticSetup:
         trainer = strategy.lightning_module.trainer
         versions = logger_versions(trainer) if world.rank == 0 else None
         adopt_logger_versions(trainer, strategy.broadcast(versions))
-        return False
 
     def _enter(self) -> None:
         strategy = self.strategy
