@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     pl.seed_everything(1234, verbose=False)
     clock = FirstSteps(args)
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.chain.split(",")[0], verify_switches=False)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.chain.split(",")[0], switching={"verify_switches": False})
     trainer = bench_trainer(strategy, 2, 10_000, [clock])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=1_000_000)
     trainer.fit(LlamaLM(model=args.model, lr=1e-3, warmup_steps=2, total_steps=100), datamodule=data)

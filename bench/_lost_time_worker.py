@@ -169,7 +169,7 @@ def run_restarts(args, chain: list[tuple[str, int]]) -> list[dict]:
 
 def run_online(args, chain: list[tuple[str, int]]) -> tuple[list[dict], dict]:
     joining = os.environ.get(JOIN_ENV) == "1"
-    strategy = dynatrain.DynaTrainStrategy(parallel=chain[args.segment][0], verify_switches=False,
+    strategy = dynatrain.DynaTrainStrategy(parallel=chain[args.segment][0], switching={"verify_switches": False},
                                            elastic={"timeout": 300.0, "join_timeout": 900.0})
     clock, decide = Clock(), Decide(args, [c[0] for c in chain], args.segment)
     trainer = bench_trainer(strategy, 1 if joining else int(os.environ["WORLD_SIZE"]), 10_000, [clock, decide])

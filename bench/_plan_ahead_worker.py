@@ -63,8 +63,8 @@ def main() -> None:
     if ParallelConfig.parse(chain[0]).world_size != world:
         raise SystemExit(f"{chain[0]} does not run on {world} processes")
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=chain[0], switch_budget_mb=args.budget_mb, verify_switches=False,
-                                           rank_map=args.rank_map)
+    strategy = dynatrain.DynaTrainStrategy(parallel=chain[0], switching={
+        "switch_budget_mb": args.budget_mb, "verify_switches": False, "rank_map": args.rank_map})
     requests = Requests(chain, args.every, args.ahead)
     steps = args.every * len(chain)
     trainer = bench_trainer(strategy, world, steps, [requests])

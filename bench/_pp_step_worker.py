@@ -29,7 +29,7 @@ warnings.filterwarnings("ignore")
 
 
 def dynatrain_times(args, world: int) -> list[float]:
-    strategy = dynatrain.DynaTrainStrategy(parallel=f"pp={world}", pipeline_schedule="1F1B")
+    strategy = dynatrain.DynaTrainStrategy(parallel=f"pp={world}", parallelism={"pipeline_schedule": "1F1B"})
     clock = StepClock()
     trainer = bench_trainer(strategy, world, args.steps, [clock])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * args.microbatches,

@@ -226,7 +226,7 @@ def run_lightning(args) -> dict:
 def run_dynatrain(args) -> dict:
     joining = os.environ.get(JOIN_ENV) == "1"
     world = 1 if joining else int(os.environ["WORLD_SIZE"])
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, verify_switches=False,
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, switching={"verify_switches": False},
                                            elastic={"timeout": 300.0, "join_timeout": 900.0})
     actions = [tuple(a.split(":", 1)) for a in args.actions.split(";") if a]
     clock = Clock()

@@ -4,7 +4,7 @@ optimizer-step boundary, cycling through same-world layouts, ``--switches`` time
 Per sample: RSS (VmRSS), glibc's bytes in use and free, open file descriptors, OS and Python threads, live process
 groups (torch's c10d registry) and how many were ever created, DeviceMesh / Transformer objects alive, gc-tracked
 objects, misses of DTensor's sharding-propagation cache, c10d's work registry, and the strategy's own caches
-(`_meshes`, `switch_reports`). A sample is taken after a full `gc.collect()` at the first micro-batch after a
+(`meshes`, `switch_reports`). A sample is taken after a full `gc.collect()` at the first micro-batch after a
 switch: after the first switch, after the warm-up (the "start"), every ``--sample-every`` switches, and after the
 last switch (the "end"). Writes this rank's JSON to ``--out``.
 
@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import torch
@@ -95,7 +96,7 @@ def sample(strategy, switches: int, step: int, trim: bool = False) -> dict:
         "gc_objects": len(gc.get_objects()),
         "gc_unreachable_collected": unreachable,
         "gc_garbage": len(gc.garbage),
-        "mesh_cache": len(strategy._meshes),
+        "mesh_cache": len(strategy.meshes),
         "sharding_cache_misses": _sharding_cache(),
         "work_registry": _work_registry(),
         "switch_reports": len(strategy.switch_reports),
@@ -139,7 +140,7 @@ class Soak(pl.Callback):
             self.stalls.append(report.stall_s)
             self.verified += bool(report.verified)
             self.last_switch_time = time.time()
-            strategy.verify_switches = False
+            strategy.switching = replace(strategy.switching, verify_switches=False)
             if self.trim_after:
                 t = time.perf_counter()
                 trim_heap()
@@ -155,7 +156,8 @@ class Soak(pl.Callback):
                 or trainer.global_step - self.last_request_step < self.every):
             return
         target = self.cycle[(self.done + 1) % len(self.cycle)]  # the cycle starts at the initial layout
-        strategy.verify_switches = self.verify_every > 0 and (self.done + 1) % self.verify_every == 0
+        verify = self.verify_every > 0 and (self.done + 1) % self.verify_every == 0
+        strategy.switching = replace(strategy.switching, verify_switches=verify)
         if self.first_switch_time is None:
             self.first_switch_time = time.time()
         strategy.request_switch(target)
@@ -214,8 +216,8 @@ def main() -> None:
         if args.global_batch % (ParallelConfig.parse(c).dp_size * args.micro_batch):
             raise SystemExit(f"{c}: global batch {args.global_batch} is not a multiple of dp x micro-batch")
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=cycle[0], verify_switches=False,
-                                           switch_budget_mb=args.budget_mb)
+    strategy = dynatrain.DynaTrainStrategy(parallel=cycle[0],
+                                           switching={"verify_switches": False, "switch_budget_mb": args.budget_mb})
     soak = Soak(cycle, args.switches, args.every_n_steps, min(args.warmup, args.switches), args.sample_every,
                 args.verify_every, args.trim, args.tracemalloc, args.trim_after_switch)
     steps = (args.switches + 2) * args.every_n_steps + 2

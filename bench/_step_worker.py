@@ -69,8 +69,9 @@ def main() -> None:
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.tp)
     else:
         ac = "none" if not args.every else "full" if args.every == 1 else f"selective:{args.every}"
-        strategy = dynatrain.DynaTrainStrategy(parallel=f"dp_shard={dp},tp={args.tp}", compile=args.compile or False,
-                                               activation_checkpointing=ac)
+        strategy = dynatrain.DynaTrainStrategy(
+            parallel=f"dp_shard={dp},tp={args.tp}",
+            parallelism={"compile": args.compile or False, "activation_checkpointing": ac})
     clock = StepClock()
     trainer = bench_trainer(strategy, world, args.steps, [clock])
     data = LlamaDataModule(seq_len=args.seq_len, global_batch_size=args.micro_batch * dp,

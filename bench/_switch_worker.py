@@ -203,7 +203,7 @@ def naive_switch(strategy, module, target: str, budget_mb: float) -> tuple[dict,
     target_cfg = ParallelConfig.parse(target)
     specs = state_specs(model, opt)
     old_layout = Layout.from_config(specs, strategy.parallel_config, rank_map=strategy.positions)
-    plan = plan_switch(old_layout, target_cfg, rank_map=planner_rank_map(strategy.rank_map),
+    plan = plan_switch(old_layout, target_cfg, rank_map=planner_rank_map(strategy.switching.rank_map),
                        budget_bytes=int(budget_mb * MiB))
     if not mesh_safe(plan.new.rank_map, target_cfg):
         plan = plan_switch(old_layout, target_cfg, rank_map="identity", budget_bytes=int(budget_mb * MiB))
@@ -339,7 +339,8 @@ def main() -> None:
             events += [(args.target, b, naive, way), (args.source, b, naive, way)]
     pl.seed_everything(1234, verbose=False)
     dp0 = ParallelConfig.parse(args.source).dp_size
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.source, switch_budget_mb=budgets[0], verify_switches=False)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.source,
+                                           switching={"switch_budget_mb": budgets[0], "verify_switches": False})
     bench = SwitchBench(events, args.steps_between, args.raw_repeats, int(args.chunk_mb * MiB))
     steps = args.steps_between * (len(events) + 1)
     trainer = bench_trainer(strategy, world, steps, [bench])

@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     chain = args.chain.split(";")
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.source, verify_switches=not args.no_verify)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.source, switching={"verify_switches": not args.no_verify})
     trainer = bench_trainer(strategy, int(os.environ["WORLD_SIZE"]), args.every * (len(chain) + 1),
                             [Chain(chain, args.every)])
     trainer.fit(LlamaLM(model=args.model, lr=1e-3, warmup_steps=2), datamodule=bench_data(args))

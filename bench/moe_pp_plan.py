@@ -40,7 +40,7 @@ def recipe_workload(global_batch: int | None = None) -> tuple[str, Workload, int
     trainer, data, init = cfg["trainer"], cfg["data"], cfg["trainer"]["strategy"]["init_args"]
     work = Workload(cfg["model"]["model"], seq_len=data["seq_len"],
                     global_batch=global_batch or data["global_batch_size"], micro_batch=data["micro_batch_size"],
-                    activation_checkpointing=init["activation_checkpointing"])
+                    activation_checkpointing=init["parallelism"]["activation_checkpointing"])
     return init["parallel"], work, trainer["devices"]
 
 

@@ -52,7 +52,8 @@ trainer:
     class_path: dynatrain.DynaTrainStrategy
     init_args:
       parallel: dp_shard=4
-      verify_switches: true
+      switching:
+        verify_switches: true
   precision: 32-true
   max_steps: {max_steps}
   limit_val_batches: 0

@@ -14,11 +14,19 @@ from dynatrain.vps.parallel_config import ParallelConfig
 
 
 
+_OPTIONS = ("DataOptions", "ParallelismOptions", "SwitchingOptions")
+
+
 def __getattr__(name: str):
+    # The strategy and its options load Lightning and torch: resolved on first use.
     if name == "DynaTrainStrategy":
         from dynatrain.strategies.dynatrain import DynaTrainStrategy
 
         return DynaTrainStrategy
+    if name in _OPTIONS:
+        from dynatrain.strategies import options
+
+        return getattr(options, name)
     raise AttributeError(f"module 'dynatrain' has no attribute {name!r}")
 
 
@@ -27,4 +35,5 @@ def __getattr__(name: str):
 # `lightning.pytorch` finishes loading (and removes itself).
 register_when_lightning_loads()
 
-__all__ = ["MODEL_CONFIGS", "DynaTrainStrategy", "ModelConfig", "ParallelConfig", "get_model_config"]
+__all__ = ["MODEL_CONFIGS", "DataOptions", "DynaTrainStrategy", "ModelConfig", "ParallelConfig", "ParallelismOptions",
+           "SwitchingOptions", "get_model_config"]

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from dynatrain.models.configs import get_model_config
 from dynatrain.switch.report import SwitchReport
+from dynatrain.strategies.options import SwitchingOptions
 from dynatrain.vps.parallel_config import ParallelConfig
 
 DEBUG = get_model_config("debug").with_overrides(n_layers=2)
@@ -19,7 +20,7 @@ class FakeStrategy:
         self.parallel_config = ParallelConfig.parse(layout)
         self.world_size = world
         self.positions = list(range(world))
-        self.switch_budget_bytes = 256 << 20
+        self.switching = SwitchingOptions(switch_budget_mb=256)
         self.switch_reports: list = []
         self.requests: list = []
         self.boundary = True

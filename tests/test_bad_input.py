@@ -111,7 +111,7 @@ def test_a_switch_budget_must_be_positive():
 
     for budget in (0, -1.0):
         with pytest.raises(ValueError, match=f"switch_budget_mb must be positive, got {budget}"):
-            DynaTrainStrategy(switch_budget_mb=budget)
+            DynaTrainStrategy(switching={"switch_budget_mb": budget})
 
 
 # ------------------------------------------------------------------------------------------------ dynatrain fit

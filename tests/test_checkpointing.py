@@ -88,8 +88,9 @@ def test_the_op_policy_with_expert_parallelism_is_refused_with_what_to_use():
     from types import SimpleNamespace
 
     from dynatrain.lm.moe_load import parallelize_for
+    from dynatrain.strategies.options import ParallelismOptions
     from dynatrain.vps.parallel_config import ParallelConfig
 
-    strategy = SimpleNamespace(activation_checkpointing=ActivationCheckpointing.parse("selective:op"))
+    strategy = SimpleNamespace(parallelism=ParallelismOptions(activation_checkpointing="selective:op"))
     with pytest.raises(ValueError, match="use 'full' or 'selective:N'"):
         parallelize_for(_model("moe-debug"), None, ParallelConfig(dp_shard=2, ep=2), strategy)

@@ -210,7 +210,7 @@ def test_a_new_generation_gets_tensors_on_its_own_mesh(tmp_path):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dynatrain.strategies.lightning_world import forget_old_meshes
+    from dynatrain.strategies.mesh_cache import forget_old_meshes
 
     def generation(i: int, forget: bool) -> bool:
         if forget:

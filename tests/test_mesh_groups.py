@@ -56,18 +56,16 @@ def test_single_rank_dimensions_take_no_collective(monkeypatch):
 
 
 def test_the_strategy_connects_a_mesh_once_when_it_builds_it(monkeypatch):
-    import types
-
-    import dynatrain.strategies.dynatrain as strategy_mod
+    import dynatrain.strategies.mesh_cache as mesh_cache_mod
 
     built, connected = [], []
-    monkeypatch.setattr(strategy_mod, "init_mesh", lambda pcfg, kind, ranks: built.append(ranks) or object())
-    monkeypatch.setattr(strategy_mod, "connect_mesh_groups", lambda mesh, pcfg, device: connected.append(mesh))
-    fake = types.SimpleNamespace(_meshes={}, root_device=torch.device("cpu"))
+    monkeypatch.setattr(mesh_cache_mod, "init_mesh", lambda pcfg, kind, ranks: built.append(ranks) or object())
+    monkeypatch.setattr(mesh_cache_mod, "connect_mesh_groups", lambda mesh, pcfg, device: connected.append(mesh))
+    meshes, cpu = mesh_cache_mod.MeshCache(), torch.device("cpu")
     pcfg = ParallelConfig.parse("dp_shard=2,tp=2")
-    first = strategy_mod.DynaTrainStrategy.build_mesh(fake, pcfg)
-    again = strategy_mod.DynaTrainStrategy.build_mesh(fake, pcfg)  # a switch back to a layout it has seen
-    other = strategy_mod.DynaTrainStrategy.build_mesh(fake, pcfg, ranks=[0, 2, 1, 3])
+    first = meshes.get(pcfg, cpu)
+    again = meshes.get(pcfg, cpu)  # a switch back to a layout it has seen
+    other = meshes.get(pcfg, cpu, ranks=[0, 2, 1, 3])
     assert first is again and other is not first
     assert connected == [first, other]
 

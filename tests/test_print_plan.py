@@ -41,12 +41,13 @@ def test_a_cluster_recipe_states_its_prediction_and_fits_80_gb_with_margin(recip
 
 def test_a_layout_that_cannot_run_is_said_and_exits_1(capsys):
     code, out, _ = _print_plan(["--config", str(REPO / "recipes/llama3-405b.yaml"),
-                                "--trainer.strategy.init_args.activation_checkpointing", "none"], capsys)
+                                "--trainer.strategy.init_args.parallelism.activation_checkpointing", "none"], capsys)
     assert code == 1
     assert "DOES NOT FIT by 88.7 GiB" in out and "cannot run: does not fit memory" in out
     # the same layout on 141 GB devices with per-op checkpointing fits, with less spare than the model's error
     code, out, _ = _print_plan(["--config", str(REPO / "recipes/llama3-405b.yaml"), "--plan.memory_gb", "141",
-                                "--trainer.strategy.init_args.activation_checkpointing", "selective:op"], capsys)
+                                "--trainer.strategy.init_args.parallelism.activation_checkpointing", "selective:op"],
+                               capsys)
     assert code == 0 and "104.0 GiB of 118.2 usable" in out and "may run out of memory" in out
 
 

@@ -30,7 +30,7 @@ def test_strategy_rejects_bad_layout_early():
     with pytest.raises(ValueError, match="cannot parse"):
         DynaTrainStrategy(parallel="dp=2")
     with pytest.raises(ValueError, match="param_dtype"):
-        DynaTrainStrategy(param_dtype="int8")
+        DynaTrainStrategy(parallelism={"param_dtype": "int8"})
 
 
 def test_the_pure_layers_import_without_lightning_and_lightning_imported_later_still_gets_the_strategy():

@@ -22,14 +22,14 @@ def test_a_switch_retires_the_groups_of_the_layouts_it_left():
         for layout in (a, b, c):
             strategy.install_layout(strategy.build_mesh(layout), layout, range(4))
         assert strategy.retire_meshes() == 0  # a fake group is no NCCL one: meshes stay for reuse
-        strategy.retire_groups = True
+        strategy.meshes.retire_groups = True
         left = {k[0]: [g for g in mesh_groups(m, k[0], min_size=1) if g is not dist.group.WORLD]
-                for k, m in strategy._meshes.items()}
+                for k, m in strategy.meshes.items()}
         retired = strategy.retire_meshes(keep=lambda layout: layout == b)  # b: a build kept for a request
         assert retired == len({id(g) for g in left[a]}) > 0
         assert not any(g in _world.pg_map for g in left[a])
         assert all(g in _world.pg_map for layout in (b, c) for g in left[layout])
-        assert {k[0] for k in strategy._meshes} == {b, c}
+        assert {k[0] for k in strategy.meshes} == {b, c}
         again = strategy.build_mesh(a)  # a layout visited again is built and connected again
         assert all(g in _world.pg_map for g in mesh_groups(again, a, min_size=1))
     finally:

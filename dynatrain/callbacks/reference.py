@@ -130,11 +130,12 @@ def replay(pl_module: pl.LightningModule, datamodule, steps: int, clip_norm: flo
     initial weights on this process alone, on the data module's global batches."""
     from dynatrain.lm import moe_load
     from dynatrain.models.parallelize import materialize_model
+    from dynatrain.strategies.lightning_internals import trainer_of
 
     # Only the constructor's own arguments: LightningCLI adds entries of its own (``_instantiator``).
     accepted = inspect.signature(type(pl_module).__init__).parameters
     copy = type(pl_module)(**{k: v for k, v in pl_module.hparams.items() if k in accepted})
-    if pl_module._trainer is not None:
+    if trainer_of(pl_module) is not None:
         copy.trainer = pl_module.trainer  # its configure_optimizers reads the run's max_steps, as the run's did
     with torch.device("meta"):
         model = copy.model_spec.build(copy.model_config)

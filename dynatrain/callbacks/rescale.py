@@ -417,7 +417,7 @@ class ElasticCallback(pl.Callback):
         strategy = trainer.strategy
         positions = getattr(strategy, "positions", None)
         policy = self.policy
-        budget = getattr(strategy, "switch_budget_bytes", None)
+        budget = getattr(getattr(strategy, "switching", None), "budget_bytes", None)
         if budget is not None and budget != policy.budget_bytes:
             policy = LayoutPolicy(policy.horizon_steps, policy.cost, budget, policy.fixed_seconds, policy.max_priced)
         try:

@@ -115,7 +115,8 @@ def workload_for(trainer: pl.Trainer) -> Workload:
     missing = [a for a in ("seq_len", "global_batch_size", "micro_batch_size") if not hasattr(data, a)]
     if missing:
         raise ValueError(f"the layout planner needs {', '.join(missing)} from the data module (a LlamaDataModule)")
-    policy = getattr(strategy, "mp_policy", None)
+    options = getattr(strategy, "parallelism", None)  # a DynaTrainStrategy's
+    policy = getattr(options, "mp_policy", None)
     compute = _dtype_name(getattr(policy, "param_dtype", None)) or \
         ("bfloat16" if "bf16" in str(trainer.precision) else "float32")
     reduce = _dtype_name(getattr(policy, "reduce_dtype", None)) or "float32"
@@ -123,10 +124,10 @@ def workload_for(trainer: pl.Trainer) -> Workload:
     pipeline = callable(getattr(getattr(trainer, "lightning_module", None), "pipeline_loss", None))
     return Workload(config, seq_len=data.seq_len, global_batch=data.global_batch_size,
                     micro_batch=data.micro_batch_size, compute_dtype=compute, reduce_dtype=reduce,
-                    sequence_parallel=bool(getattr(strategy, "sequence_parallel", False)), pipeline=pipeline,
+                    sequence_parallel=bool(getattr(options, "sequence_parallel", False)), pipeline=pipeline,
                     # The running job's policy: a switch keeps it, so the candidates are priced with it.
-                    activation_checkpointing=str(getattr(strategy, "activation_checkpointing", None) or "none"),
-                    loss_parallel=bool(getattr(strategy, "loss_parallel", False)))
+                    activation_checkpointing=str(getattr(options, "activation_checkpointing", None) or "none"),
+                    loss_parallel=bool(getattr(options, "loss_parallel", False)))
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

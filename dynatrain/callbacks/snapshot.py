@@ -24,7 +24,6 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -41,14 +40,14 @@ from dynatrain.strategies.snapshot_io import (  # noqa: F401  (part of this modu
     LATEST,
     MARKER,
     META,
+    PARTIAL_NAME,
     SNAPSHOTS_KEY,
-    _NAME,
-    _PARTIAL,
-    _committed_steps,
-    _model,
+    STEP_NAME,
+    committed_steps,
     is_committed,
     latest_snapshot,
     restore_snapshot,
+    state_module,
 )
 
 
@@ -170,10 +169,8 @@ class Snapshot(pl.Callback):
         key = (elastic.world.generation if elastic is not None and elastic.world is not None else 0,
                dist.get_world_size())
         if key != self._pg_key:
-            timeout = getattr(self._strategy, "_timeout", None)
-            if elastic is not None:
-                timeout = timedelta(seconds=elastic.config.timeout)
-            self._pg = dist.new_group(backend="gloo", timeout=timeout)
+            # The world's timeout (an elastic job's own); a strategy without one leaves torch's default.
+            self._pg = dist.new_group(backend="gloo", timeout=getattr(self._strategy, "group_timeout", None))
             self._pg_key = key
         return self._pg
 
@@ -189,7 +186,7 @@ class Snapshot(pl.Callback):
                 "layout": layout.short() if layout is not None else None, "time": time.time(),
                 "checkpoint": loop_checkpoint(trainer),
             }))
-        msd, osd = get_state_dict(_model(pl_module), list(strategy.optimizers))
+        msd, osd = get_state_dict(state_module(pl_module), list(strategy.optimizers))
         state = {"model": msd, "optim": osd}
         pg, started = self._group(), time.monotonic()
         if self.async_save:
@@ -270,9 +267,9 @@ class Snapshot(pl.Callback):
         newest commit defines the run), and all but the ``keep`` newest."""
         root = self.dirpath
         for p in root.iterdir():
-            if _PARTIAL.match(p.name) or (_NAME.match(p.name) and not is_committed(p)):
+            if PARTIAL_NAME.match(p.name) or (STEP_NAME.match(p.name) and not is_committed(p)):
                 shutil.rmtree(p, ignore_errors=True)
-        steps = _committed_steps(root)
+        steps = committed_steps(root)
         kept = sorted(s for s in steps if s <= step)[-self.keep:]
         for s, p in steps.items():
             if s not in kept:

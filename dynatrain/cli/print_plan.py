@@ -103,14 +103,15 @@ def plan_recipe(config, spec: DeviceSpec = DeviceSpec()) -> RecipePlan:
     overrides = dict(_get(model, "model_overrides", {}) or {})
     model_config = get_zoo_config(name).with_overrides(**overrides)
     precision = str(_get(trainer, "precision", "32-true"))
-    compute = _get(options, "param_dtype", "bfloat16" if "bf16" in precision else "float32")
-    ac = _get(options, "activation_checkpointing", "none")
+    par = _get(options, "parallelism", {})
+    compute = _get(par, "param_dtype", "bfloat16" if "bf16" in precision else "float32")
+    ac = _get(par, "activation_checkpointing", "none")
     work = Workload(model_config, seq_len=int(_get(data, "seq_len", 128)),
                     global_batch=int(_get(data, "global_batch_size", 16)),
                     micro_batch=int(_get(data, "micro_batch_size", 4)), compute_dtype=str(compute),
-                    reduce_dtype=str(_get(options, "reduce_dtype", "float32")),
-                    sequence_parallel=bool(_get(options, "sequence_parallel", False)),
-                    activation_checkpointing=str(ac), loss_parallel=bool(_get(options, "loss_parallel", True)))
+                    reduce_dtype=str(_get(par, "reduce_dtype", "float32")),
+                    sequence_parallel=bool(_get(par, "sequence_parallel", False)),
+                    activation_checkpointing=str(ac), loss_parallel=bool(_get(par, "loss_parallel", True)))
     devices = spec.devices(nodes * per_node, per_node)
     request = _get(options, "parallel", "auto")
     layout = ParallelConfig(dp_shard=devices.count) if request == "auto" else ParallelConfig.parse(str(request))

@@ -132,7 +132,8 @@ class CausalLM(pl.LightningModule):
         """What the loss's backward runs under: with the strategy's loss parallelism the logits are split over the
         vocabulary (tp > 1), and torch's vocabulary-parallel cross entropy needs its backward inside
         `loss_parallel` too. Harmless where nothing is split."""
-        return _VocabParallel() if getattr(self.trainer.strategy, "loss_parallel", False) else nullcontext()
+        options = getattr(self.trainer.strategy, "parallelism", None)  # a DynaTrainStrategy's
+        return _VocabParallel() if getattr(options, "loss_parallel", False) else nullcontext()
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         with self.loss_context():

@@ -43,18 +43,19 @@ def parallelize_moe_for(model, mesh, pcfg, strategy) -> None:
     from dynatrain.models.moe import parallelize_moe
     from dynatrain.models.parallelize import apply_block_options
 
-    if getattr(strategy, "sequence_parallel", False):
+    options = getattr(strategy, "parallelism", None)  # a DynaTrainStrategy's; Lightning's own strategies have none
+    if getattr(options, "sequence_parallel", False):
         raise ValueError("sequence_parallel is not supported for mixture-of-experts models: set the strategy's "
-                         "sequence_parallel to false")
-    policy = ActivationCheckpointing.parse(getattr(strategy, "activation_checkpointing", None))
+                         "parallelism.sequence_parallel to false")
+    policy = ActivationCheckpointing.parse(getattr(options, "activation_checkpointing", None))
     if policy.per_op and pcfg.ep > 1:
         raise ValueError(f"activation_checkpointing='selective:op' does not work with ep > 1 ({pcfg.short()}): the "
                          "routed experts' own FSDP runs other ops when the block is recomputed than in its forward; "
                          "use 'full' or 'selective:N' with expert parallelism")
-    parallelize_moe(model, mesh, pcfg, mp_policy=getattr(strategy, "mp_policy", None),
-                    stages_per_rank=getattr(strategy, "stages_per_rank", 1) if pcfg.pp > 1 else 1)
+    parallelize_moe(model, mesh, pcfg, mp_policy=getattr(options, "mp_policy", None),
+                    stages_per_rank=getattr(options, "stages_per_rank", 1) if pcfg.pp > 1 else 1)
     # After FSDP here, which is the same as before it: neither wraps a module, both replace the block's forward.
-    backend = getattr(strategy, "compile_backend", None)
+    backend = getattr(options, "compile_backend", None)
     apply_block_options(model, policy, backend)
     if backend is not None:
         for layer in model.layers.values():

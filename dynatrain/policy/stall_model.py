@@ -41,9 +41,9 @@ parallelism splits (DTensor's per-parameter set-up and FSDP2's 2-D meshes, docs/
 the Qwen3-235B-A22B build measured the same way (0.519 against 0.640 s).
 
 **Check** (`CheckCost`): every byte that moves is hashed where it is sent and where it is received
-(`switch.verify`): the busiest rank's sent plus received bytes at ``s_per_gib``, and a fixed cost per state it
+(`check.verify`): the busiest rank's sent plus received bytes at ``s_per_gib``, and a fixed cost per state it
 holds, hashed before and after. The measured rate is the CPU's: 0.14 s/GiB of float32 on one thread
-(`python -m dynatrain.engine.placed_sums --gib 1 --threads 1`, `engine/placed_sums.py`), 0.03 ms per state. A GPU
+(`python bench/check_speed.py --gib 1 --threads 1`), 0.03 ms per state. A GPU
 hashes elementwise in bounded parts and has not been measured (`bench/gpu_check/hash_cost.py` does); the copy
 bandwidth measured on an H200 (1,948 GiB/s, `bench/results/gpu.json`) with about 7 bytes of memory traffic per byte
 hashed (the elementwise way's int32 and int64 temporaries) and its kernel launches suggest about

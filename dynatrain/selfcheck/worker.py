@@ -33,6 +33,7 @@ from dynatrain.settings import JOIN_ENV, explicit_or_env
 from dynatrain.launch.local import finish_rank
 from dynatrain.lm.causal_lm import CausalLM
 from dynatrain.models.pipeline_split import pipeline_stages
+from dynatrain.strategies.options import DataOptions, ParallelismOptions, SwitchingOptions
 from dynatrain.strategies.pipeline_runner import PipelineRunner, stack_batches
 from dynatrain.selfcheck import faults, oracle
 from dynatrain.vps.parallel_config import ParallelConfig
@@ -191,8 +192,8 @@ class ScriptedSwitches(pl.Callback):
         if left:
             return
         if strategy.pipeline is not None:
-            runner = PipelineRunner(pipeline_stages(model), strategy.device_mesh, strategy.pipeline_schedule,
-                                    model.pipeline_loss, strategy.root_device,
+            runner = PipelineRunner(pipeline_stages(model), strategy.device_mesh,
+                                    strategy.parallelism.pipeline_schedule, model.pipeline_loss, strategy.root_device,
                                     getattr(model, "loss_context", nullcontext))
             inputs, target = stack_batches(self._shadow_batches)
             runner.train_step(inputs, target, len(self._shadow_batches))
@@ -314,10 +315,10 @@ def main() -> None:
     workdir = Path(args.workdir) / ("static" if args.static else "switching")
     elastic = ({"timeout": args.elastic_timeout, "join_timeout": args.join_timeout}
                if args.elastic and not args.static else False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=layouts[0], switch_budget_mb=args.budget_mb,
-                                           rank_map=args.rank_map, verify_switches=False, elastic=elastic,
-                                           pipeline_schedule=args.pipeline_schedule,
-                                           stages_per_rank=args.stages_per_rank, check_batches=True)
+    strategy = dynatrain.DynaTrainStrategy(
+        parallel=layouts[0], elastic=elastic, data=DataOptions(check_batches=True),
+        parallelism=ParallelismOptions(pipeline_schedule=args.pipeline_schedule, stages_per_rank=args.stages_per_rank),
+        switching=SwitchingOptions(switch_budget_mb=args.budget_mb, rank_map=args.rank_map, verify_switches=False))
     extra = []
     if args.inject:
         script = faults.InjectFault(args.inject, workdir, restarted=args.restarted)

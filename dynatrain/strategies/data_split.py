@@ -310,9 +310,9 @@ class DataSplit:
 
     def check_batch(self, trainer: "pl.Trainer", batch: Any) -> None:
         """The ranks of each data-parallel rank compare a fingerprint of their batch; raise naming them if any
-        differ. After a switch (its first micro-batch), and at every micro-batch with ``check_batches=True``."""
+        differ. After a switch (its first micro-batch), and at every micro-batch with ``data.check_batches``."""
         strategy = self.strategy
-        if not (self.check_next_batch or strategy.check_batches) or strategy.world_size == 1:
+        if not (self.check_next_batch or strategy.data_options.check_batches) or strategy.world_size == 1:
             return
         self.check_next_batch = False
         if strategy.detached or strategy.local_only:

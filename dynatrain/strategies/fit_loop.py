@@ -6,7 +6,8 @@ recovered from; after the data split changes, the epoch's length is set wherever
 Lightning has no public hook for any of these: none to run code between two micro-batches after every
 ``on_train_batch_end`` (a callback's is not last), to say when an accumulation closes (it is ``batch_idx %
 accumulate_grad_batches`` inside the loop), to retry a micro-batch after a collective failed, or to re-measure an
-epoch mid-way. What is touched, and the Lightning versions this runs with, is in docs/lightning.md.
+epoch mid-way. Lightning's internals outside the loop are reached through `lightning_internals`. What is touched,
+and the Lightning versions this runs with, is in docs/lightning.md.
 """
 
 from __future__ import annotations
@@ -154,6 +155,11 @@ def at_boundary(switcher: Switcher) -> bool:
     loop = trainer.fit_loop.epoch_loop
     done = loop.batch_progress.current.ready - switcher.accumulation_offset
     return done % trainer.accumulate_grad_batches == 0
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """True while the micro-batch Lightning hands over does not close an optimizer step."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 # ---- the epoch's data, as the loop measured it ----------------------------------------------------------------

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from dynatrain.strategies.lightning_internals import trainer_of
+from dynatrain.strategies.mesh_cache import forget_old_meshes
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ModelParallelStrategy as DynaTrainStrategy  # with forget_meshes
@@ -44,18 +46,6 @@ class ElasticEnvironment(LightningEnvironment):
         return 0
 
 
-def forget_old_meshes() -> None:
-    """Drop DTensor's sharding-propagation and redistribution caches. They key a DeviceMesh by its rank layout,
-    not by this process's rank or groups: after a world change, an op on a mesh of the same shape would otherwise
-    get back tensors of an old generation's mesh (a stale rank, dead groups), which DCP and `full_tensor` read."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    clear_redistribute_planner_cache()
-
-
 def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None:
     """Make Lightning see this process as ``rank`` of ``world_size`` (a new generation: no old mesh survives in
     DTensor's caches)."""
@@ -70,7 +60,7 @@ def set_world(strategy: "DynaTrainStrategy", rank: int, world_size: int) -> None
     strategy.parallel_devices = [strategy.root_device] * world_size
     rank_zero_only.rank = fabric_rank_zero_only.rank = rank
     module = strategy.lightning_module
-    trainer = module._trainer if module is not None else None
+    trainer = trainer_of(module)
     bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
     if bar is not None:
         bar.enable() if rank == 0 else bar.disable()

@@ -20,19 +20,20 @@ SNAPSHOTS_KEY = "elastic/snapshots"  # in an elastic job's store: the snapshot d
 MARKER = "COMMITTED"
 META = "snapshot.json"
 LATEST = "latest"
-_NAME = re.compile(r"^step-(\d+)$")
-_PARTIAL = re.compile(r"^step-(\d+)\.partial$")
+STEP_NAME = re.compile(r"^step-(\d+)$")
+PARTIAL_NAME = re.compile(r"^step-(\d+)\.partial$")
 
 
 def is_committed(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return bool(_NAME.match(path.name)) and (path / MARKER).is_file()
+    return bool(STEP_NAME.match(path.name)) and (path / MARKER).is_file()
 
 
-def _committed_steps(root: Path) -> dict[int, Path]:
+def committed_steps(root: Path) -> dict[int, Path]:
+    """Step -> directory of each committed snapshot under ``root``."""
     out = {}
     for p in root.iterdir() if root.is_dir() else ():
-        m = _NAME.match(p.name)
+        m = STEP_NAME.match(p.name)
         if m and is_committed(p):
             out[int(m.group(1))] = p
     return out
@@ -45,14 +46,15 @@ def latest_snapshot(dirpath: str | os.PathLike) -> Path | None:
         name = (root / LATEST).read_text().strip()
     except OSError:
         name = ""
-    if _NAME.match(name) and is_committed(root / name):
+    if STEP_NAME.match(name) and is_committed(root / name):
         return root / name
     # No usable pointer (a crash between commit and pointer update, or it was removed): the newest marked one.
-    steps = _committed_steps(root)
+    steps = committed_steps(root)
     return steps[max(steps)] if steps else None
 
 
-def _model(pl_module: pl.LightningModule) -> torch.nn.Module:
+def state_module(pl_module: pl.LightningModule) -> torch.nn.Module:
+    """The module whose state a snapshot holds: the LightningModule's ``model`` where it has one."""
     inner = getattr(pl_module, "model", None)
     return inner if isinstance(inner, torch.nn.Module) else pl_module
 
@@ -70,7 +72,7 @@ def restore_snapshot(strategy, pl_module: pl.LightningModule, path: str | os.Pat
     if not is_committed(path):
         raise ValueError(f"{path} is not a committed snapshot (a step-<N> directory holding {MARKER}): it may be "
                          "half-written; pass latest_snapshot(dirpath) instead")
-    model, optimizers = _model(pl_module), list(strategy.optimizers)
+    model, optimizers = state_module(pl_module), list(strategy.optimizers)
     if not optimizers:
         raise ValueError("restore_snapshot needs the optimizer: call it after the strategy set up optimizers "
                          "(during fit)")

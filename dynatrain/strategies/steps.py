@@ -15,6 +15,7 @@ import torch
 
 from dynatrain.models.compile import compile_seconds
 from dynatrain.models.pipeline_split import pipeline_stages
+from dynatrain.strategies.fit_loop import accumulating
 from dynatrain.strategies.pipeline_runner import PipelineRunner, check_pipeline_module, pipeline_batch, stack_batches
 
 
@@ -52,8 +53,9 @@ class StepHooks:
         if stages is None:
             raise ValueError(f"layout {pcfg.short()} has pp={pcfg.pp}, but the module's parallelisation split no "
                              "model into stages: see docs/pipeline.md")
-        self.pipeline = PipelineRunner(stages, self.device_mesh, self.pipeline_schedule, module.pipeline_loss,
-                                       self.root_device, getattr(module, "loss_context", nullcontext),
+        self.pipeline = PipelineRunner(stages, self.device_mesh, self.parallelism.pipeline_schedule,
+                                       module.pipeline_loss, self.root_device,
+                                       getattr(module, "loss_context", nullcontext),
                                        getattr(module, "on_pipeline_shapes_inferred", None))
 
     def training_step(self, *args, **kwargs):
@@ -62,7 +64,7 @@ class StepHooks:
             return super().training_step(*args, **kwargs)
         # Lightning hands over one micro-batch at a time; the schedule runs the step's micro-batches together.
         runner.pending.append(args[0])
-        if self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
+        if accumulating(self.lightning_module.trainer):
             return torch.zeros((), device=self.root_device)
         batches, runner.pending = runner.pending, []
         module, trainer = self.lightning_module, self.lightning_module.trainer

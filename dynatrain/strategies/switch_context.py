@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dynatrain.strategies.lightning_internals import trainer_of
 from dynatrain.strategies.lightning_world import adopt_logger_versions, detach, logger_versions, set_world
 from dynatrain.strategies.loop_state import loop_checkpoint
 from dynatrain.switch.context import SwitchSettings
@@ -68,8 +69,8 @@ class StrategyContext:
 
     @property
     def settings(self) -> SwitchSettings:
-        s = self.strategy
-        return SwitchSettings(verify=s.verify_switches, budget_bytes=s.switch_budget_bytes, rank_map=s.rank_map)
+        o = self.strategy.switching
+        return SwitchSettings(verify=o.verify_switches, budget_bytes=o.budget_bytes, rank_map=o.rank_map)
 
     @property
     def elastic(self):
@@ -113,7 +114,7 @@ class StrategyContext:
         self.strategy.install_layout(mesh, layout, positions)
 
     def _fitting_trainer(self):
-        trainer = self.trainer or getattr(self.module, "_trainer", None)
+        trainer = self.trainer or trainer_of(self.module)
         return trainer if trainer is not None and trainer.state.fn == TrainerFn.FITTING else None
 
     def make_optimizer(self):

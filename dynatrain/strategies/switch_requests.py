@@ -68,9 +68,10 @@ def check_target(switcher: Switching, target: str | ParallelConfig, world_size: 
     if target.pp > 1:
         check_pipeline_module(strategy.lightning_module)
         n_layers = getattr(strategy.model_config(), "n_layers", None)
-        stages = target.pp * strategy.stages_per_rank
+        per_rank = strategy.parallelism.stages_per_rank
+        stages = target.pp * per_rank
         if n_layers is not None and stages > n_layers:
-            raise ValueError(f"{target.short()} with {strategy.stages_per_rank} stage(s) per rank needs {stages} "
+            raise ValueError(f"{target.short()} with {per_rank} stage(s) per rank needs {stages} "
                              f"pipeline stages of at least one layer, and the model has {n_layers}: use a "
                              f"smaller pp")
     datamodule = getattr(switcher.trainer, "datamodule", None) if switcher.trainer else None

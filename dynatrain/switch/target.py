@@ -32,11 +32,15 @@ from dynatrain.vps.parallel_config import ParallelConfig
 
 
 class ModuleTemplate:
-    """The LightningModule before `configure_model()`, on meta; `build` makes a target copy of it."""
+    """The LightningModule before `configure_model()`, on meta; `build` makes a target copy of it.
 
-    def __init__(self, module: nn.Module, keep: tuple = ()) -> None:
+    ``keep``: objects the module refers to that its copies share rather than copy (its trainer); ``adopt``: called
+    with each copy, to give it what copying drops (a LightningModule's trainer)."""
+
+    def __init__(self, module: nn.Module, keep: tuple = (),
+                 adopt: Callable[[nn.Module], None] | None = None) -> None:
         self.keep = keep
-        self.source = module
+        self.adopt = adopt
         self.template = meta_copy(module, keep)
 
     def build(self, mesh, parallelize: Callable[[nn.Module], None]) -> nn.Module:
@@ -51,8 +55,8 @@ class ModuleTemplate:
         """An unparallelised copy on meta (also what a process that left the job holds in place of its model, so
         the module's hooks that still run as its loop winds down find their modules)."""
         target = meta_copy(self.template, self.keep)
-        if hasattr(self.source, "_trainer"):
-            target._trainer = self.source._trainer  # a LightningModule drops its trainer when it is copied
+        if self.adopt is not None:
+            self.adopt(target)
         return target
 
 

@@ -8,6 +8,7 @@ The model has 3 attention heads, so tp=2 cannot divide it.
 import argparse
 import math
 import warnings
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import torch
@@ -106,7 +107,7 @@ class BadRequests(pl.Callback):
         self.changed = differences(before, snapshot(trainer, pl_module))
         # A strategy-wide budget below the minimum passes the request's checks and fails when the switch is
         # planned at this boundary: refused with a warning there, nothing moved, training goes on.
-        strategy.switch_budget_bytes = 6
+        strategy.switching = replace(strategy.switching, switch_budget_mb=6 / 2**20)  # 6 bytes
         strategy.request_switch("dp_replicate=2")
         self.before = before
 

@@ -31,9 +31,9 @@ class Switches(pl.Callback):
 
 def run(spec: dict, world: int, steps: int) -> dict:
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=spec.get("layout", "dp_shard=2"), verify_switches=True,
-                                           activation_checkpointing=spec.get("ac", "none"),
-                                           compile=spec.get("compile", False))
+    strategy = dynatrain.DynaTrainStrategy(
+        parallel=spec.get("layout", "dp_shard=2"), switching={"verify_switches": True},
+        parallelism={"activation_checkpointing": spec.get("ac", "none"), "compile": spec.get("compile", False)})
     plan = {int(k): v for k, v in spec.get("switches", {}).items()}
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,

@@ -160,7 +160,7 @@ def main() -> None:
     world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
     strategy = dynatrain.DynaTrainStrategy(
-        parallel=args.layout, verify_switches=True, switch_budget_mb=0.5,
+        parallel=args.layout, switching={"verify_switches": True, "switch_budget_mb": 0.5},
         elastic=None if args.static else {"timeout": args.timeout, "join_timeout": args.join_timeout},
     )
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False

@@ -277,9 +277,10 @@ def main() -> None:
     joining = os.environ.get(JOIN_ENV) == "1"
     world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(
-        parallel=args.layout, verify_switches=True, switch_budget_mb=0.5, check_batches=args.check_batches,
-        elastic={"timeout": 60.0, "join_timeout": 120.0} if args.elastic else None)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout,
+                                           switching={"verify_switches": True, "switch_budget_mb": 0.5},
+                                           data={"check_batches": args.check_batches},
+                                           elastic={"timeout": 60.0, "join_timeout": 120.0} if args.elastic else None)
     script = Script(entries)
     callbacks = [script]
     elastic = None

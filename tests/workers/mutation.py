@@ -51,7 +51,7 @@ def main() -> None:
     if args.wrong:
         engine.run_transition = swapped_transition
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel="dp_shard=2,tp=2", rank_map="identity")
+    strategy = dynatrain.DynaTrainStrategy(parallel="dp_shard=2,tp=2", switching={"rank_map": "identity"})
     script = SwitchOnce("dp_shard=4")
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=3, logger=False,
@@ -60,7 +60,7 @@ def main() -> None:
     module = LlamaLM(model="debug", model_overrides={"n_layers": 1}, lr=1e-3, warmup_steps=2)
     data = LlamaDataModule(seq_len=32, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=200_000)
     trainer.fit(module, datamodule=data)
-    finish_rank(args.out, {"outcome": script.outcome, "verify_default": strategy.verify_switches})
+    finish_rank(args.out, {"outcome": script.outcome, "verify_default": strategy.switching.verify_switches})
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def main() -> None:
         loggers.append(WandbLogger(save_dir=run_dir, name="elastic-test"))
 
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, verify_switches=True, switch_budget_mb=1)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout,
+                                           switching={"verify_switches": True, "switch_budget_mb": 1})
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=loggers,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=args.progress_bar,

@@ -114,7 +114,8 @@ def main() -> None:
     patch_writes(switch[0] + 1 if switch else None, args.fail_write)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, verify_switches=True, switch_budget_mb=0.5)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout,
+                                           switching={"verify_switches": True, "switch_budget_mb": 0.5})
     snap = Snapshot(every_n_steps=args.every, dirpath=args.dir, keep=args.keep, async_save=not args.sync)
     script = Script(snap, switch, args.reference, args.settle)
     trainer = pl.Trainer(

@@ -148,9 +148,8 @@ def main() -> None:
     entries = [(int(s.split(":", 1)[0]), s.split(":", 1)[1]) for s in args.switches.split(";") if s]
     joining = os.environ.get(JOIN_ENV) == "1"
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(
-        parallel=args.layout, verify_switches=False,
-        elastic={"timeout": 60.0, "join_timeout": 120.0} if args.elastic else None)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, switching={"verify_switches": False},
+                                           elastic={"timeout": 60.0, "join_timeout": 120.0} if args.elastic else None)
     script = Script(entries)
     callbacks = [script]
     if args.save:

@@ -71,8 +71,8 @@ def main() -> None:
     plan, bad = parse(args.switches), parse(args.bad)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, verify_switches=True,
-                                           switch_budget_mb=args.budget_mb)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout,
+                                           switching={"verify_switches": True, "switch_budget_mb": args.budget_mb})
     script = Script(plan, bad)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=args.steps, logger=False,

@@ -63,8 +63,9 @@ def main() -> None:
     if args.strategy == "lightning":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
-        strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, sequence_parallel=args.sequence_parallel,
-                                               pipeline_schedule=args.schedule, stages_per_rank=args.stages_per_rank)
+        strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, parallelism={
+            "sequence_parallel": args.sequence_parallel, "pipeline_schedule": args.schedule,
+            "stages_per_rank": args.stages_per_rank})
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world,
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -65,7 +65,8 @@ def main() -> None:
     args = ap.parse_args()
     parse = lambda text: [(int(s.split(":")[0]), s.split(":", 1)[1]) for s in text.split(";") if s]  # noqa: E731
     pl.seed_everything(1234, verbose=False)
-    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, verify_switches=True, switch_budget_mb=0.25)
+    strategy = dynatrain.DynaTrainStrategy(parallel=args.layout,
+                                           switching={"verify_switches": True, "switch_budget_mb": 0.25})
     script = Script(dict(parse(args.switches)), parse(args.bad))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), max_steps=args.steps,
