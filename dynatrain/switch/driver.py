@@ -63,8 +63,6 @@ def ranks_in(world, union) -> dict[int, int]:
 class Move:
     """One kind of switch: how it plans (`plan`) and the order it runs the stages in (`run`)."""
 
-    kind = "switch"
-
     def plan(self, ctx: SwitchContext, held: Held | None) -> Planned:
         raise NotImplementedError
 

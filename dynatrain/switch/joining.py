@@ -33,8 +33,6 @@ class Await(Enum):
 
 
 class Join(Move):
-    kind = "join"
-
     def __init__(self, prep: JoinerPrep, change, payload: JoinPayload) -> None:
         self.prep, self.change, self.payload = prep, change, payload
         # Nobody leaves (as `WorldChange` decides it): the transfer runs on the target world, once the module is built.

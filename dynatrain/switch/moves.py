@@ -34,8 +34,6 @@ class InWorld(Move):
     budget_mb: float | None = None
     prepared: InWorldPrep | None = None  # the request's plan made ahead, used when its inputs still hold
 
-    kind = "switch within the world"
-
     def run(self, s: Stages) -> SwitchReport:
         ctx = s.ctx
         s.capture()
@@ -74,8 +72,6 @@ class WorldChange(Move):
     joiners: list[str]
     targets: TargetLayouts
     prepared: MemberPrep | None = None  # planned in the background while the job waited for its joiners
-
-    kind = "world change"
 
     def run(self, s: Stages) -> SwitchReport:
         ctx = s.ctx

@@ -30,8 +30,6 @@ class Recovery(Move):
     copies that differ stop the recovery instead of being trained on.
     """
 
-    kind = "recovery"
-
     def __init__(self, targets: TargetLayouts, cause: str) -> None:
         self.targets, self.cause = targets, cause
         self.world: Any = None
