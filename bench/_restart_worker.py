@@ -29,8 +29,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 import dynatrain  # noqa: E402
 from _trainer import bench_data, bench_trainer  # noqa: E402  (this folder)
 import dynatrain.elastic.world as world_mod  # noqa: E402
-import dynatrain.engine as engine_mod  # noqa: E402
 from dynatrain.elastic.manager import JOIN_CHECKPOINT  # noqa: E402
+from dynatrain.engine import run_transition  # noqa: E402
 from dynatrain.settings import JOIN_ENV  # noqa: E402
 from dynatrain.launch.local import finish_rank  # noqa: E402
 from dynatrain.lm.causal_lm import LlamaLM  # noqa: E402
@@ -41,11 +41,11 @@ warnings.filterwarnings("ignore")
 
 # ---------------------------------------------------------------------------------------------- phase capture
 # The SwitchReport's `transfer` phase of a world change covers forming the union generation, the engine's
-# transfer and forming the target generation; wrapping the three calls splits it without touching dynatrain.
+# transfer and forming the target generation; wrapping the three calls (the engine's as the strategy's
+# ``switch_transfer``) splits it without touching dynatrain.
 EVENTS: list[dict] = []
 _orig_join = world_mod.WorldGeneration.join.__func__
 _orig_leave = world_mod.WorldGeneration.leave
-_orig_run_transition = engine_mod.run_transition
 
 
 def _timed_join(cls, store, generation, member_id, members, *args, **kwargs):
@@ -64,14 +64,13 @@ def _timed_leave(self, *args, **kwargs):
 
 def _timed_run_transition(plan, rank, src, **kwargs):
     t0 = time.time()
-    dst, stats = _orig_run_transition(plan, rank, src, **kwargs)
+    dst, stats = run_transition(plan, rank, src, **kwargs)
     EVENTS.append({"kind": "engine", "start": t0, "end": time.time(), "stats": stats.as_dict()})
     return dst, stats
 
 
 world_mod.WorldGeneration.join = classmethod(_timed_join)
 world_mod.WorldGeneration.leave = _timed_leave
-engine_mod.run_transition = _timed_run_transition
 
 
 # ---------------------------------------------------------------------------------------------- clocks
@@ -228,6 +227,7 @@ def run_dynatrain(args) -> dict:
     world = 1 if joining else int(os.environ["WORLD_SIZE"])
     strategy = dynatrain.DynaTrainStrategy(parallel=args.layout, switching={"verify_switches": False},
                                            elastic={"timeout": 300.0, "join_timeout": 900.0})
+    strategy.switch_transfer = _timed_run_transition
     actions = [tuple(a.split(":", 1)) for a in args.actions.split(";") if a]
     clock = Clock()
     script = Actions(actions, args.first if joining else 0, args.gap, args.start_at,

@@ -2,7 +2,7 @@
 point-to-point bandwidth of the same pairs and against a naive all-gather-and-slice baseline.
 
 Writes this rank's JSON to ``--out``. Nothing here changes dynatrain: the engine's `TransitionStats` (which the
-`SwitchReport` does not carry) are captured by wrapping `run_transition` where the switches look it up (`dynatrain.engine`).
+`SwitchReport` does not carry) are captured by the strategy's ``switch_transfer``: `run_transition`, wrapped.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from torch.distributed.tensor import DTensor
 import dynatrain
 from dynatrain.switch.in_world import planner_rank_map
 from dynatrain.launch.local import finish_rank
-import dynatrain.engine as engine_mod
-from dynatrain.engine import wire
+from dynatrain.engine import run_transition, wire
 from dynatrain.engine.local_copies import states_kept_in_place
 from dynatrain.engine.wire import box_view, recv_staged, send_staged, slots, split_message
 from dynatrain.data import LlamaDataModule
@@ -90,7 +89,6 @@ def rss_peak() -> int:
 
 # ---------------------------------------------------------------------------------------------- engine capture
 CAPTURE: dict = {}
-_orig_run_transition = engine_mod.run_transition
 
 
 def _captured_run_transition(plan, rank, src, **kw):
@@ -100,15 +98,12 @@ def _captured_run_transition(plan, rank, src, **kw):
     dist.barrier()  # ranks finish `build` at different times; the skew is reported, not counted as transfer
     CAPTURE["barrier_wait_s"] = time.perf_counter() - t0
     rss0 = rss_mark()
-    dst, stats = _orig_run_transition(plan, rank, src, **kw)
+    dst, stats = run_transition(plan, rank, src, **kw)
     CAPTURE["rss_before"] = rss0
     CAPTURE["rss_peak"] = rss_peak()
     CAPTURE["plan"] = plan
     CAPTURE["stats"] = stats.as_dict()
     return dst, stats
-
-
-engine_mod.run_transition = _captured_run_transition
 
 
 # ---------------------------------------------------------------------------------------------- raw bandwidth
@@ -341,6 +336,7 @@ def main() -> None:
     dp0 = ParallelConfig.parse(args.source).dp_size
     strategy = dynatrain.DynaTrainStrategy(parallel=args.source,
                                            switching={"switch_budget_mb": budgets[0], "verify_switches": False})
+    strategy.switch_transfer = _captured_run_transition
     bench = SwitchBench(events, args.steps_between, args.raw_repeats, int(args.chunk_mb * MiB))
     steps = args.steps_between * (len(events) + 1)
     trainer = bench_trainer(strategy, world, steps, [bench])

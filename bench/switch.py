@@ -5,7 +5,7 @@ and a naive all-gather-and-slice baseline, all in one run.
 
 Trains ``--model`` on ``--devices`` CPU ranks under ``--source`` (default dp_shard=4), switches to ``--target``
 (default dp_shard=2,tp=2) and back, ``--steps-between`` optimizer steps apart. Per switch, in the same run:
-* the switcher's phases (plan, build, release, transfer, adopt) and the engine's own split of the transfer
+* the switch's phases (plan, build, release, transfer, adopt) and the engine's own split of the transfer
   (pack, wire, local copies, unpack), max over ranks;
 * bytes moved with the chosen rank map and with the identity map;
 * the engine's peak live bytes (sources + destinations + staging) per rank against max(src, dst) + budget, and

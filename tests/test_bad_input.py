@@ -32,13 +32,13 @@ TOKEN = "bad-input-token-5c1e"
 
 # ------------------------------------------------------------------------------------ the strategy's request path
 def _switcher(world: int = 4, model=DEBUG, global_batch: int = 6, micro_batch: int = 1, max_devices=None):
-    """The real `Switcher` on a stand-in strategy: `request` checks without any process group."""
+    """The real `SwitchOrchestrator` on a stand-in strategy: `request` checks without any process group."""
     from dynatrain.data import LlamaDataModule
-    from dynatrain.strategies.switcher import Switcher
+    from dynatrain.strategies.switch_orchestrator import SwitchOrchestrator
 
     elastic = None if max_devices is False else SimpleNamespace(config=SimpleNamespace(max_devices=max_devices))
     strategy = SimpleNamespace(world_size=world, model_config=lambda: model, elastic=elastic)
-    switcher = Switcher(strategy)
+    switcher = SwitchOrchestrator(strategy)
     data = LlamaDataModule(seq_len=32, global_batch_size=global_batch, micro_batch_size=micro_batch)
     switcher.trainer = SimpleNamespace(training=True, global_step=0, datamodule=data)  # mid-training: requests are queued
     return switcher

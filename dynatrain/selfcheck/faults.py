@@ -107,12 +107,10 @@ class InjectFault(pl.Callback):
     def _scale_in_losing_a_leaver(self, strategy) -> None:
         """Half the processes leave; one of them dies as the transfer starts, after its peers began theirs."""
         if int(os.environ.get("RANK", "-1")) in self.spec["victims"]:
-            import dynatrain.engine as engine
-
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            engine.run_transition = die
+            strategy.switch_transfer = die
         world = strategy.world_size
         strategy.request_switch(f"dp_shard={world // 2}", leave=list(range(world // 2, world)))
 

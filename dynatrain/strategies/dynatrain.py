@@ -27,8 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dynatrain.runtime.control_group import new_control_group
 from dynatrain.elastic import priority
-from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.check.hash_weights import warm_up as warm_up_switch_check
+from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
+from dynatrain.engine import run_transition
 from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.context_parallel import check_context_parallel
@@ -119,6 +120,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         self.switch_reports: list = []
         self.recovery_reports: list = []  # processes lost while training, and how the survivors went on
         self._switcher = None
+        # What moves a switch's bytes: the engine's transfer, or the one fault injection or a benchmark hands in.
+        self.switch_transfer = run_transition
         self.meshes = MeshCache()
         # The current world's gloo group for metadata (`dynatrain.runtime.control_group`); training's groups carry
         # device tensors.
@@ -362,10 +365,10 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
 
     # ---- layout switches ----------------------------------------------------------------------------------
     def _install_switcher(self, trainer: Trainer | None) -> None:
-        from dynatrain.strategies.switcher import Switcher
+        from dynatrain.strategies.switch_orchestrator import SwitchOrchestrator
 
         if self._switcher is None:
-            self._switcher = Switcher(self)
+            self._switcher = SwitchOrchestrator(self)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._switcher.attach(trainer)
 

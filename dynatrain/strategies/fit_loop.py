@@ -20,8 +20,8 @@ from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.switch.recovery import WorldChangeError, is_peer_loss
 
 
-class Switcher(Protocol):
-    """What the loop needs of the strategy's switcher."""
+class Switching(Protocol):
+    """What the loop needs of the strategy's switch orchestrator (`switch_orchestrator`)."""
 
     strategy: Any
     pending: Any
@@ -41,50 +41,50 @@ class Switcher(Protocol):
 
 
 class BoundaryHook(pl.Callback):
-    """Keeps the switcher in step with Lightning's epochs and start; a requested switch runs right after the
+    """Keeps the switch orchestrator in step with Lightning's epochs and start; a requested switch runs right after the
     micro-batch that closed an optimizer step (see `_wrap_advance`)."""
 
-    def __init__(self, switcher: Switcher) -> None:
-        self.switcher = switcher
+    def __init__(self, switching: Switching) -> None:
+        self.switching = switching
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         # Lightning's batch counter restarts with each epoch (a resumed one goes on from `on_train_start`'s count).
-        if not self.switcher.strategy.data_split.on_epoch_start(trainer):
-            self.switcher.accumulation_offset = 0
+        if not self.switching.strategy.data_split.on_epoch_start(trainer):
+            self.switching.accumulation_offset = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning does not announce an epoch it resumes in the middle of: here it goes on from the saved count.
-        if self.switcher.strategy.data_split.on_train_start(trainer):
-            self.switcher.accumulation_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        self.switcher.on_train_start()
+        if self.switching.strategy.data_split.on_train_start(trainer):
+            self.switching.accumulation_offset = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        self.switching.on_train_start()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.switcher.strategy.data_split.check_batch(trainer, batch)
+        self.switching.strategy.data_split.check_batch(trainer, batch)
 
     def state_dict(self) -> dict:
         # The data's position within its epoch: in every checkpoint, and what a joiner receives.
-        return self.switcher.strategy.data_split.state_dict(self.switcher.trainer)
+        return self.switching.strategy.data_split.state_dict(self.switching.trainer)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.switcher.strategy.data_split.load_state_dict(state_dict)
+        self.switching.strategy.data_split.load_state_dict(state_dict)
 
 
-def attach(switcher: Switcher, trainer: pl.Trainer) -> None:
+def attach(switching: Switching, trainer: pl.Trainer) -> None:
     if not any(isinstance(cb, BoundaryHook) for cb in trainer.callbacks):
-        trainer.callbacks.append(BoundaryHook(switcher))
+        trainer.callbacks.append(BoundaryHook(switching))
     loop = trainer.fit_loop.epoch_loop
     # Lightning closes a step when (micro-batches this epoch) % accumulation == 0; after a switch changes the
     # accumulation mid-epoch, count from the switch instead so steps stay whole.
     loop._accumulated_batches_reached = lambda: (
-        (loop.batch_progress.current.ready - switcher.accumulation_offset) % trainer.accumulate_grad_batches == 0
+        (loop.batch_progress.current.ready - switching.accumulation_offset) % trainer.accumulate_grad_batches == 0
     )
     # The same for zeroing gradients, which Lightning keys on batch_idx % accumulation.
     auto = loop.automatic_optimization
 
     def make_zero_grad_fn(batch_idx: int, optimizer):
-        if auto._skip_backward or (batch_idx - switcher.accumulation_offset) % trainer.accumulate_grad_batches:
+        if auto._skip_backward or (batch_idx - switching.accumulation_offset) % trainer.accumulate_grad_batches:
             return None
-        if switcher.strategy.pipeline is not None:
+        if switching.strategy.pipeline is not None:
             # Lightning zeroes between a micro-batch's step and its backward; a pipeline's backward ran inside
             # the step, so the strategy zeroes before the schedule instead.
             return None
@@ -96,10 +96,10 @@ def attach(switcher: Switcher, trainer: pl.Trainer) -> None:
         return zero_grad_fn
 
     auto._make_zero_grad_fn = make_zero_grad_fn
-    _wrap_advance(switcher, loop)
+    _wrap_advance(switching, loop)
 
 
-def _wrap_advance(switcher: Switcher, loop) -> None:
+def _wrap_advance(switching: Switching, loop) -> None:
     """Around each micro-batch: a pending switch runs once the micro-batch that closed a step is done; in an
     elastic job, a process lost during a micro-batch is recovered from (see `recovery`), the micro-batch then
     counts as consumed and its step runs again under the survivors' layout."""
@@ -110,19 +110,19 @@ def _wrap_advance(switcher: Switcher, loop) -> None:
         try:
             advance(data_fetcher)
         except Exception as e:
-            if not _recoverable(switcher, e):
+            if not _recoverable(switching, e):
                 raise
             error = e
         else:
             # After every on_train_batch_end, the LightningModule's included: what the module does at the end
             # of a step (a buffer it updates, say) is part of the state that moves.
-            if switcher.pending is not None and at_boundary(switcher):
-                switcher.run_pending()
+            if switching.pending is not None and at_boundary(switching):
+                switching.run_pending()
             return
         # Outside the handler, without the traceback: its frames hold the step's tensors, which hold the
         # broken groups open.
         error.__traceback__ = None
-        switcher.recover(error)
+        switching.recover(error)
         progress = loop.batch_progress
         for step in ("started", "processed", "completed"):
             while getattr(progress.current, step) < progress.current.ready:
@@ -138,22 +138,22 @@ def _wrap_advance(switcher: Switcher, loop) -> None:
     loop.advance, loop.on_advance_end = guarded_advance, guarded_advance_end
 
 
-def _recoverable(switcher: Switcher, error: BaseException) -> bool:
-    strategy = switcher.strategy
+def _recoverable(switching: Switching, error: BaseException) -> bool:
+    strategy = switching.strategy
     if strategy.elastic is None or not strategy.elastic.config.recover or strategy.detached:
         return False
     if isinstance(error, (WorldChangeError, SwitchVerificationError)) or not is_peer_loss(error):
         return False
-    return not switcher.released  # a switch that began moving state cannot be undone
+    return not switching.released  # a switch that began moving state cannot be undone
 
 
-def at_boundary(switcher: Switcher) -> bool:
+def at_boundary(switching: Switching) -> bool:
     """True between two optimizer steps (or outside training)."""
-    trainer = switcher.trainer
+    trainer = switching.trainer
     if trainer is None or not trainer.training:
         return True
     loop = trainer.fit_loop.epoch_loop
-    done = loop.batch_progress.current.ready - switcher.accumulation_offset
+    done = loop.batch_progress.current.ready - switching.accumulation_offset
     return done % trainer.accumulate_grad_batches == 0
 
 

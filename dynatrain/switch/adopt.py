@@ -3,8 +3,6 @@ takes the live module's place; the optimizer, schedules and data then follow the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor

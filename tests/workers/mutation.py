@@ -17,7 +17,6 @@ from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.planner.schedule import plan_switch
 
 warnings.filterwarnings("ignore")
-real_transition = engine.run_transition
 
 
 def swapped_transition(plan, rank, src, **kwargs):
@@ -25,7 +24,7 @@ def swapped_transition(plan, rank, src, **kwargs):
     order = list(plan.new.rank_map)
     order[0], order[1] = order[1], order[0]
     wrong = plan_switch(plan.old, plan.new, rank_map=order)
-    return real_transition(wrong, rank, src, **kwargs)
+    return engine.run_transition(wrong, rank, src, **kwargs)
 
 
 class SwitchOnce(pl.Callback):
@@ -48,10 +47,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--wrong", action="store_true")
     args = ap.parse_args()
-    if args.wrong:
-        engine.run_transition = swapped_transition
     pl.seed_everything(1234, verbose=False)
     strategy = dynatrain.DynaTrainStrategy(parallel="dp_shard=2,tp=2", switching={"rank_map": "identity"})
+    if args.wrong:
+        strategy.switch_transfer = swapped_transition
     script = SwitchOnce("dp_shard=4")
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=3, logger=False,
