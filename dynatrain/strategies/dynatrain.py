@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -38,11 +37,11 @@ from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
 from dynatrain.models.context_parallel import check_context_parallel
 from dynatrain.models.parallelize import (
+    ParallelizeOptions,
     connect_mesh_groups,
     init_mesh,
     materialize_model,
     mesh_groups,
-    parallelize_llama,
 )
 from dynatrain.models.registry import zoo_config_of
 from dynatrain.strategies.checkpoint_io import CheckpointIO
@@ -180,10 +179,10 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         self.compile_backend = compile_backend(compile)
         self.auto_options = AutoOptions(tuple(block_types), tp_plan, None, reshard_after_forward)
         self.parallelize_fn = parallelize_fn or self._parallelize_default
-        self._zoo_parallelize = partial(
-            parallelize_llama, mp_policy=self.mp_policy, sequence_parallel=sequence_parallel,
-            stages_per_rank=stages_per_rank, loss_parallel=loss_parallel,
-            activation_checkpointing=self.activation_checkpointing, compile_backend=self.compile_backend)
+        self.parallelize_options = ParallelizeOptions(
+            mp_policy=self.mp_policy, sequence_parallel=sequence_parallel, stages_per_rank=stages_per_rank,
+            loss_parallel=loss_parallel, activation_checkpointing=self.activation_checkpointing,
+            compile_backend=self.compile_backend)
         self.loss_parallel = loss_parallel
         self.pipeline: PipelineRunner | None = None  # the schedule of this rank's stages when pp > 1
         self.verify_switches = verify_switches
@@ -441,7 +440,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, ModelParallelStrategy):
         # Lightning's precision is only known once the trainer has connected its plugin: read it at each build.
         precision = getattr(self.precision_plugin, "precision", None)
         options = replace(self.auto_options, mp_policy=mp_policy_for(precision, self.mp_policy))
-        return parallelize_default(module, mesh, pcfg, self._zoo_parallelize, options)
+        return parallelize_default(module, mesh, pcfg, self.parallelize_options, options)
 
     @contextmanager
     def model_sharded_context(self):
