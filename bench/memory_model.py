@@ -42,7 +42,8 @@ def _worker(args) -> None:
     from dynatrain.lm.causal_lm import _VocabParallel, _cross_entropy
     from dynatrain.models.configs import MODEL_CONFIGS
     from dynatrain.models.llama import Transformer
-    from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
+    from dynatrain.models.parallelize import ParallelizeOptions, init_mesh, materialize_model
+    from dynatrain.models.parallelize_dense import parallelize_dense
     from dynatrain.vps.parallel_config import ParallelConfig
 
     warnings.filterwarnings("ignore")
@@ -62,8 +63,8 @@ def _worker(args) -> None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.device("meta"):
                 model = Transformer(cfg)
-            parallelize_llama(model, mesh, pcfg, loss_parallel=pcfg.tp > 1, activation_checkpointing=policy,
-                              sequence_parallel=sp)
+            parallelize_dense(model, mesh, pcfg, ParallelizeOptions(
+                loss_parallel=pcfg.tp > 1, activation_checkpointing=policy, sequence_parallel=sp))
             materialize_model(model, "cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
             for _ in range(2):

@@ -4,7 +4,7 @@
 
 A switch needs the module parallelised for its target: the placements every state gets there, and the module it
 trains on afterwards. dynatrain builds it on the meta device from a copy of the module (`target.meta_copy`), with the
-module's own parallelisation (here the zoo's `parallelize_llama`) on a mesh of the target's shape. Every request
+module's own parallelisation (here the dense kind's `parallelize_dense`) on a mesh of the target's shape. Every request
 builds it at once, on the training thread, to refuse a target the module cannot be parallelised for (a world change
 on a probe mesh of the target's shape); a switch within the world reuses that build, a world change builds again on
 the next world's mesh inside its stall. Per model and layout, median of ``--repeats``: the copy, the parallelisation
@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dynatrain.models.configs import get_model_config  # noqa: E402
 from dynatrain.models.llama import Transformer  # noqa: E402
-from dynatrain.models.parallelize import parallelize_llama  # noqa: E402
+from dynatrain.models.parallelize_dense import parallelize_dense  # noqa: E402
 from dynatrain.switch.capture import merged_shardings  # noqa: E402
 from dynatrain.switch.probe import probe_mesh  # noqa: E402
 from dynatrain.switch.target import meta_copy  # noqa: E402
@@ -59,7 +59,7 @@ def build_once(model: torch.nn.Module, pcfg: ParallelConfig) -> dict:
     row = {}
     copy, row["copy_s"], row["copy_cpu_s"] = timed(lambda: meta_copy(model))
     with probe_mesh(pcfg, "cpu") as mesh:
-        _, row["parallelize_s"], row["parallelize_cpu_s"] = timed(lambda: parallelize_llama(copy, mesh, pcfg))
+        _, row["parallelize_s"], row["parallelize_cpu_s"] = timed(lambda: parallelize_dense(copy, mesh, pcfg))
         table, row["placements_s"], row["placements_cpu_s"] = timed(lambda: merged_shardings([(copy, mesh)]))
     row["parameters_and_buffers"] = len(table)
     row["total_s"] = sum(row[f"{p}_s"] for p in PARTS)
@@ -72,7 +72,7 @@ def profile_once(model: torch.nn.Module, pcfg: ParallelConfig, top: int = 25) ->
     copy = meta_copy(model)
     with probe_mesh(pcfg, "cpu") as mesh:
         prof = cProfile.Profile()
-        prof.runcall(parallelize_llama, copy, mesh, pcfg)
+        prof.runcall(parallelize_dense, copy, mesh, pcfg)
     stats = pstats.Stats(prof).stats
     rows = [{"function": f"{Path(f).name}:{line}({name})", "calls": nc, "cumulative_s": ct}
             for (f, line, name), (_, nc, _, ct, _) in stats.items()]

@@ -36,6 +36,6 @@ def test_meta_build_times_every_layout_that_fits(tmp_path):
         assert r["total_s_range"][0] <= r["total_s"] <= r["total_s_range"][1]
     assert "tp=8 does not divide" in skipped["skipped"]
     top = data["profile"]["top"]
-    llama = next(r for r in top if "parallelize_llama" in r["function"])
-    assert llama["cumulative_s"] == top[0]["cumulative_s"] > 0
+    dense = next(r for r in top if "parallelize_dense" in r["function"])
+    assert dense["cumulative_s"] == top[0]["cumulative_s"] > 0
     assert [r["cumulative_s"] for r in top] == sorted((r["cumulative_s"] for r in top), reverse=True)

@@ -85,12 +85,10 @@ def test_a_model_without_blocks_is_refused_with_what_to_do():
 
 
 def test_the_op_policy_with_expert_parallelism_is_refused_with_what_to_use():
-    from types import SimpleNamespace
-
-    from dynatrain.lm.moe_load import parallelize_for
-    from dynatrain.strategies.options import ParallelismOptions
+    from dynatrain.models.parallelize import ParallelizeOptions
+    from dynatrain.models.parallelize_moe import parallelize_moe
     from dynatrain.vps.parallel_config import ParallelConfig
 
-    strategy = SimpleNamespace(parallelism=ParallelismOptions(activation_checkpointing="selective:op"))
+    options = ParallelizeOptions(activation_checkpointing=ActivationCheckpointing.parse("selective:op"))
     with pytest.raises(ValueError, match="use 'full' or 'selective:N'"):
-        parallelize_for(_model("moe-debug"), None, ParallelConfig(dp_shard=2, ep=2), strategy)
+        parallelize_moe(_model("moe-debug"), None, ParallelConfig(dp_shard=2, ep=2), options)

@@ -29,10 +29,12 @@ LAYOUTS = [
 
 
 def _captured_layout(cfg, pcfg: ParallelConfig, stages_per_rank: int) -> Layout:
-    from dynatrain.models.moe import MoETransformer, parallelize_moe
+    from dynatrain.models.moe import MoETransformer
+    from dynatrain.models.parallelize import ParallelizeOptions
+    from dynatrain.models.parallelize_moe import parallelize_moe
 
     def parallelize(model, mesh) -> None:
-        parallelize_moe(model, mesh, pcfg, stages_per_rank=stages_per_rank)
+        parallelize_moe(model, mesh, pcfg, ParallelizeOptions(stages_per_rank=stages_per_rank))
         assert all(layer.moe.aux_in_backward for layer in model.layers.values())
 
     return captured_stage_layout(pcfg, lambda: MoETransformer(cfg), parallelize)

@@ -41,7 +41,8 @@ LAYOUTS = [
 
 
 def _captured_layout(cfg, pcfg: ParallelConfig) -> Layout:
-    from dynatrain.models.moe import MoETransformer, parallelize_moe
+    from dynatrain.models.moe import MoETransformer
+    from dynatrain.models.parallelize_moe import parallelize_moe
     from dynatrain.switch.capture import BUFFER, capture
     from dynatrain.switch.probe import probe_mesh
 

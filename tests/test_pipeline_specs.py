@@ -29,11 +29,12 @@ LAYOUTS = [
 
 def _captured_layout(cfg, pcfg: ParallelConfig, stages_per_rank: int) -> Layout:
     from dynatrain.models.llama import Transformer
-    from dynatrain.models.parallelize import parallelize_llama
+    from dynatrain.models.parallelize import ParallelizeOptions
+    from dynatrain.models.parallelize_dense import parallelize_dense
 
+    options = ParallelizeOptions(stages_per_rank=stages_per_rank)
     return captured_stage_layout(pcfg, lambda: Transformer(cfg),
-                                 lambda model, mesh: parallelize_llama(model, mesh, pcfg,
-                                                                       stages_per_rank=stages_per_rank))
+                                 lambda model, mesh: parallelize_dense(model, mesh, pcfg, options))
 
 
 @pytest.mark.parametrize("cfg,layout,per_rank", LAYOUTS, ids=[f"{c.name}:{t}:v{v}" for c, t, v in LAYOUTS])

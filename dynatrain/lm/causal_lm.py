@@ -17,7 +17,7 @@ from torchmetrics.text import Perplexity
 
 from dynatrain.lm import moe_load
 from dynatrain.models.context_parallel import shard_labels
-from dynatrain.models.parallelize import materialize_model
+from dynatrain.models.parallelize import ParallelizeOptions, materialize_model
 from dynatrain.models.registry import ModelSpec, ZooConfig, spec_for
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -101,7 +101,10 @@ class CausalLM(pl.LightningModule):
         spec = self.model_spec
         with torch.device("meta"):
             model = spec.build(self.model_config)
-        spec.parallelize_fn(model, self.device_mesh, _layout(self.device_mesh, strategy), strategy)
+        # dynatrain's strategy holds what it was asked for (checkpointing, compile, pp stages per rank...); Lightning's
+        # ModelParallelStrategy asks for nothing beyond its mesh.
+        options = getattr(strategy, "parallelize_options", None) or ParallelizeOptions()
+        spec.parallelize_fn(model, self.device_mesh, _layout(self.device_mesh, strategy), options)
         if hasattr(strategy, "materialize"):
             strategy.materialize(model)  # a process joining a running job adopts the shards it received
         else:

@@ -1,7 +1,7 @@
 """The mixture-of-experts side of the zoo's LightningModule (`dynatrain.lm.causal_lm.CausalLM`).
 
-An MoE model is built and parallelised through its kind's spec (`models.registry`: `models.builders.build_moe` and
-`parallelize_moe_for`, ep and pp included), and its routers' load is read from each layer's ``tokens_per_expert``:
+An MoE model is built and parallelised through its kind's spec (`models.registry`: `models.moe` and
+`models.parallelize_moe`, ep and pp included), and its routers' load is read from each layer's ``tokens_per_expert``:
 summed over the data-parallel ranks (and the pipeline stages, each holding its layers' rows) once per optimizer step,
 it moves the expert bias and gives the expert-load metrics (tokens per expert and max/mean).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynatrain.models.builders import parallelize_moe_for as parallelize_for  # noqa: F401  (the name callers use)
 from dynatrain.models.registry import ZooConfig, get_zoo_config
 
 

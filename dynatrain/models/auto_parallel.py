@@ -1,5 +1,7 @@
 """The default parallelisation of a module its author did not parallelise (no `configure_model()`, no
-``parallelize_fn``): what Lightning's ``strategy="fsdp"`` with an auto-wrap policy does, on FSDP2, for every layout.
+``parallelize_fn``): the zoo's models it holds by their kind's ``parallelize_fn`` (`models.registry`); a user's or
+Hugging Face model, which has no kind, as Lightning's ``strategy="fsdp"`` with an auto-wrap policy does, on FSDP2,
+for every layout.
 
 Each parameter-holding child of the LightningModule is a root; in it every repeated block gets its own
 `fully_shard`, then the root. Blocks are, in order: the strategy's ``block_types`` (classes or class names), the
@@ -12,7 +14,7 @@ it gathered by their common root).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dynatrain.models.parallelize import dense_meshes, holds_transformer
+from dynatrain.models.decoder import Decoder
+from dynatrain.models.parallelize import ParallelizeOptions, dense_meshes
+from dynatrain.models.registry import spec_for
 from dynatrain.models.tp_from_plan import apply_plan, model_plan
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -44,12 +48,16 @@ def mp_policy_for(precision: str | None, explicit: MixedPrecisionPolicy | None) 
     return MixedPrecisionPolicy(param_dtype=_MIXED[precision], reduce_dtype=torch.float32)
 
 
-def parallelize_default(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, zoo: Callable,
+def parallelize_default(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, zoo: ParallelizeOptions,
                         options: AutoOptions) -> nn.Module:
-    """The zoo's ``parallelize_fn`` (``zoo``) for a module holding a zoo model, else `parallelize_auto`."""
-    if holds_transformer(module):
-        return zoo(module, mesh, pcfg)
-    return parallelize_auto(module, mesh, pcfg, options)
+    """Every zoo model in ``module`` (``module`` itself included) by its kind's ``parallelize_fn`` with ``zoo``; a
+    module that holds none by `parallelize_auto` with ``options``."""
+    decoders = [m for m in module.modules() if isinstance(m, Decoder)]
+    if not decoders:
+        return parallelize_auto(module, mesh, pcfg, options)
+    for decoder in decoders:
+        spec_for(decoder.config).parallelize_fn(decoder, mesh, pcfg, zoo)
+    return module
 
 
 def parallelize_auto(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, options: AutoOptions) -> nn.Module:
@@ -66,8 +74,8 @@ def parallelize_auto(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, 
         if not plan:
             raise ValueError(
                 f"tp={pcfg.tp} needs a tensor-parallel plan, and {type(module).__name__} has no configure_model() "
-                "and its model carries none (a Hugging Face model's _tp_plan): give DynaTrainStrategy(tp_plan={"
-                "'model.layers.*.q_proj': 'colwise', ...}) or use tp=1")
+                "and its model carries none (a Hugging Face model's _tp_plan): give "
+                "DynaTrainStrategy(parallelism={'tp_plan': {'model.layers.*.q_proj': 'colwise', ...}}) or use tp=1")
         apply_plan(module, tp_mesh, plan)
         retie(module, tied)
     kwargs = {"mesh": dp_mesh} if options.mp_policy is None else {"mesh": dp_mesh, "mp_policy": options.mp_policy}

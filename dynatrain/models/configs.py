@@ -60,7 +60,7 @@ class ModelConfig:
 
 def attention_shapes(prefix: str, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
                      qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
-    """The GQA attention's parameters (`llama.Attention`), in registration order."""
+    """The GQA attention's parameters (`decoder.Attention`), in registration order."""
     shapes = {prefix + "wq.weight": (n_heads * head_dim, dim), prefix + "wk.weight": (n_kv_heads * head_dim, dim),
               prefix + "wv.weight": (n_kv_heads * head_dim, dim), prefix + "wo.weight": (dim, n_heads * head_dim)}
     if qk_norm:
@@ -69,7 +69,7 @@ def attention_shapes(prefix: str, dim: int, n_heads: int, n_kv_heads: int, head_
 
 
 def swiglu_shapes(prefix: str, dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
-    """A SwiGLU feed-forward's parameters (`llama.FeedForward`)."""
+    """A SwiGLU feed-forward's parameters (`decoder.FeedForward`)."""
     return {prefix + "w1.weight": (hidden, dim), prefix + "w2.weight": (dim, hidden), prefix + "w3.weight": (hidden, dim)}
 
 

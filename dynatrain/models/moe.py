@@ -1,4 +1,5 @@
-"""A mixture-of-experts decoder (Qwen3-MoE / Mixtral family). No parallelism inside.
+"""The mixture-of-experts kind (Qwen3-MoE / Mixtral family): the shared stack of `models.decoder` with a block of
+attention and an MoE feed-forward. No parallelism inside (`models.parallelize_moe` parallelises it).
 
 Each block is GQA attention (optional per-head q/k norm) and an MoE feed-forward: a token-choice top-k router
 (softmax or sigmoid scores, optionally renormalised top-k weights), routed experts stored stacked (``w1``, ``w3``:
@@ -20,15 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynatrain.models.context_parallel import CP_ATTR
-from dynatrain.models.llama import (
-    Attention,
-    FeedForward,
-    RMSNorm,
-    _local_tensor,
-    cp_split,
-    init_parameters,
-    precompute_freqs_cis,
-)
+from dynatrain.models.decoder import Attention, Decoder, FeedForward, RMSNorm, local_tensor
 from dynatrain.models.moe_configs import MoEConfig
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -67,7 +60,7 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = _HAS_GROUPED_MM
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if x.shape[0] == 0:
             # With expert parallelism a rank may receive no token at all. The grouped kernel's backward rejects an
             # empty input. The output must still depend on the weights (every rank then reduces a zero gradient)
@@ -189,120 +182,18 @@ class MoEBlock(nn.Module):
         return h + self.moe(self.ffn_norm(h))
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(Decoder):
     def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
-
-    def _freqs_cis(self, device=None) -> torch.Tensor:
-        c = self.config
-        return precompute_freqs_cis(c.attn_head_dim, c.max_seq_len, c.rope_theta, device=device)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A pipeline stage holds some of the parts (`models.pipeline_split`): a later stage takes hidden states in, an
-        # earlier one hands them on. With context parallelism, as the dense model (`models.llama.Transformer`).
-        tokens, freqs_cis = cp_split(self, tokens, self.freqs_cis)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        super().__init__(cfg, MoEBlock, cfg.attn_head_dim)
 
     def aux_loss(self) -> torch.Tensor | None:
         """The load-balancing losses of the last forward, summed over layers (None when off)."""
         losses = [layer.moe.aux_loss for layer in self.layers.values() if layer.moe.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Every parameter (plain or DTensor) from its layout-independent initial value, seeded per parameter
-        and row block as the dense zoo's; an expert is one row of its stacked tensor."""
-        cfg = self.config
-        init_parameters(self, cfg.dim, cfg.n_layers, cfg.init_seed)
-        self.init_buffers(buffer_device or self.freqs_cis.device)
-
     def init_buffers(self, device: torch.device | str) -> None:
         """Recompute the non-persistent buffers (after `to_empty`); the routers' start at zero."""
-        self.freqs_cis = self._freqs_cis(device=device)
+        super().init_buffers(device)
         for layer in self.layers.values():
             layer.moe.expert_bias.zero_()
             layer.moe.reset_stats()
-
-
-def parallelize_moe(model: MoETransformer, mesh, pcfg, *, mp_policy=None, stages_per_rank: int = 1
-                    ) -> MoETransformer:
-    """Pipeline, data, tensor and expert parallelism for the MoE decoder, in torchtitan's order:
-
-    - pp: the model keeps the layers of this rank's stages (`models.pipeline_split.split_model`, layers placed by
-      `moe_specs.moe_stage_split`), everything below runs on the stage's sub-mesh, and each layer's auxiliary loss
-      joins the backward through its output;
-
-    - cp: each sequence split over the cp ranks as in the dense model (`models.context_parallel`); routing is per
-      token, so the MoE works on the rank's tokens, and only the auxiliary loss's token shares are summed over the
-      cp group (the unsplit model's loss);
-    - tp: attention heads, embeddings and the output projection split as in the dense model; the router, the
-      shared expert and the routed experts stay whole on every TP rank (each TP rank routes the same tokens);
-    - ep: each layer's routed experts split over ``ep`` (`ExpertParallel`), tokens moved by all-to-all; with cp,
-      the ep group spans whole cp groups (``ParallelConfig``), each rank sending its own tokens;
-    - FSDP2: the experts over the data-parallel ranks outside their ep group (``efsdp``, HSDP with
-      ``dp_replicate``), then each block and the root over all data-parallel ranks.
-
-    An expert's gradient holds the tokens of its whole ep group, so its reduction divides by every data-parallel
-    rank, as a dense weight's does. ``mesh`` is dynatrain's (``pcfg.mesh_dim_names``) or, without ep, Lightning
-    ModelParallelStrategy's (``data_parallel``, ``tensor_parallel``)."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from dynatrain.models import tp_styles
-    from dynatrain.models.context_parallel import enable_context_parallel
-    from dynatrain.models.expert_parallel import ExpertParallel
-    from dynatrain.models.moe_specs import moe_stage_split
-    from dynatrain.models.parallelize import apply_cp, apply_fsdp, apply_fsdp_stages, apply_tp, dense_meshes
-    from dynatrain.models.pipeline_split import split_model
-
-    pcfg.validate(model.config)  # tp against heads, KV heads and vocabulary; ep against the experts
-    # Before a pipeline split: the stages' views copy the model's. The routers count the whole sequence's tokens.
-    apply_cp(model, mesh, pcfg)
-    if pcfg.cp > 1:
-        for block in model.layers.values():
-            enable_context_parallel(block.moe, mesh["cp"])
-    stages = None
-    if pcfg.pp > 1:
-        split = moe_stage_split(model.config, pcfg.pp, stages_per_rank)
-        # From the mesh's coordinates, not the pp group: a probe mesh's groups are not registered with c10d.
-        coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
-        stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
-        for block in model.layers.values():
-            block.moe.aux_in_backward = True
-    tp, dp = dense_meshes(mesh, pcfg)
-    apply_tp(model, tp, block_plan=tp_styles.MOE_BLOCK_PLAN)
-    if pcfg.ep > 1:
-        expert_dp = mesh["dp_replicate", "efsdp"] if pcfg.dp_replicate > 1 else mesh["efsdp"]
-        kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
-        if stages is not None:
-            # As the stage's blocks (`apply_fsdp_stages`): every micro-batch's forward runs before its backward.
-            kwargs["reshard_after_forward"] = False
-        gloo = mesh.device_type == "cpu"  # CPU meshes run on gloo
-        # With cp, ep is a flattening (of dp_shard_in_ep and cp), read where the mesh keeps it: slicing it from the
-        # root is deprecated in torch.
-        ep_mesh = getattr(mesh, "_flatten_mapping", {}).get("ep")
-        ep_mesh = mesh["ep"] if ep_mesh is None else ep_mesh
-        for block in model.layers.values():
-            parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
-            fully_shard(block.moe.experts, mesh=expert_dp, **kwargs)
-            # Every rank of a sample's cp group holds a loss of its own tokens, as a data-parallel rank does.
-            block.moe.experts.set_gradient_divide_factor(float(pcfg.dp_size * pcfg.cp))
-            if gloo and pcfg.efsdp > 1:
-                # gloo has no pre-scaled sum: sum, then divide. (Not with one efsdp rank: torch then divides while
-                # it copies the gradient and would divide a second time after a forced sum.)
-                block.moe.experts.set_force_sum_reduction_for_comms(True)
-    if stages is not None:
-        apply_fsdp_stages(stages, dp, mp_policy)
-        return model
-    return apply_fsdp(model, dp, mp_policy=mp_policy)

@@ -110,7 +110,7 @@ def moe_block_flops(cfg: MoEConfig) -> float:
 
 def moe_stage_split(cfg: MoEConfig, pp: int, stages_per_rank: int = 1) -> tuple[tuple[int, int], ...]:
     """The layer ranges of the ``pp * stages_per_rank`` stages of a mixture-of-experts model, or a ValueError that
-    says what to change; the live split (`models.moe.parallelize_moe`) and the analytic layout both use it."""
+    says what to change; the live split (`models.parallelize_moe`) and the analytic layout both use it."""
     return pipeline_stage_split(cfg, pp, stages_per_rank, block=moe_block_flops(cfg))
 
 

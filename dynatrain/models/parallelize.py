@@ -1,5 +1,7 @@
-"""Parallelism as pure functions on a model: build on meta, `apply_tp`, activation checkpointing (`apply_ac`),
-`apply_compile` per block, then `apply_fsdp`, then materialise (torchtitan's order).
+"""The pieces every kind's parallelisation is made of (`models.parallelize_dense`, `models.parallelize_moe`, each
+named by its kind's `ModelSpec`) and the default one of a module without a kind (`models.auto_parallel` shares the
+meshes): the device mesh of a layout, `apply_cp`, the pipeline split, `apply_tp`, activation checkpointing and
+compile per block (`apply_block_options`), `apply_fsdp`, then materialisation, on a model built on the meta device.
 
 The order matters: TP first turns weights into DTensors on the tp mesh dimension; FSDP2 then shards dim 0
 of each TP-local tensor over the data-parallel dimensions (HSDP when dp_replicate > 1). Checkpointing and
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,12 +31,24 @@ from torch.distributed.tensor.parallel import (
 from dynatrain.models import tp_styles
 from dynatrain.models.checkpointing import ActivationCheckpointing, apply_ac
 from dynatrain.models.compile import apply_compile
-from dynatrain.models.configs import ModelConfig
 from dynatrain.models.context_parallel import enable_context_parallel
-from dynatrain.models.llama import Attention, Transformer
+from dynatrain.models.decoder import Attention
 from dynatrain.models.pipeline_split import PipelineStages, split_model
-from dynatrain.models.stage_split import stage_split
 from dynatrain.vps.parallel_config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What a kind's ``parallelize_fn`` reads beside the mesh and the layout (torchtitan's job config): the same for
+    the first model and for every switch's target. The defaults are those of a strategy that asks for nothing
+    (Lightning's ModelParallelStrategy)."""
+
+    mp_policy: MixedPrecisionPolicy | None = None
+    sequence_parallel: bool = False
+    stages_per_rank: int = 1  # pipeline stages per pp rank (interleaved schedules take more than one)
+    loss_parallel: bool = False  # logits left split over the vocabulary (tp > 1)
+    activation_checkpointing: ActivationCheckpointing | str | None = None
+    compile_backend: str | None = None
 
 
 def init_mesh(pcfg: ParallelConfig, device_type: str = "cpu", ranks: Sequence[int] | None = None) -> DeviceMesh:
@@ -150,6 +165,16 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> None:
             enable_context_parallel(module, cp_mesh)
 
 
+def split_for_pp(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, split: tuple[tuple[int, int], ...],
+                 stages_per_rank: int) -> PipelineStages:
+    """Keep the layers (and the embedding or head) of the stages this rank's pp coordinate runs, in place, ``split``
+    giving each of the ``pp * stages_per_rank`` stages its layers (`models.pipeline_split`); what is applied after
+    it runs on the stage's sub-mesh. After `apply_cp`: the stages' views copy the model's."""
+    # From the mesh's coordinates, not the pp group: a probe mesh's groups are not registered with c10d.
+    coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
+    return split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
+
+
 def apply_block_options(model: nn.Module, activation_checkpointing: ActivationCheckpointing | str | None = None,
                         compile_backend: str | None = None) -> None:
     """Activation checkpointing, then `torch.compile`, on every block of ``model.layers`` (between TP and FSDP)."""
@@ -157,10 +182,13 @@ def apply_block_options(model: nn.Module, activation_checkpointing: ActivationCh
     apply_compile(model, compile_backend)
 
 
-def apply_fsdp(
-    model: Transformer, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
-) -> Transformer:
-    """`fully_shard` every block, then the root (embeddings, final norm, output)."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+               stages: PipelineStages | None = None) -> nn.Module:
+    """`fully_shard` every block, then the root (embeddings, final norm, output); a model split into ``stages``
+    by the stages' views (`apply_fsdp_stages`)."""
+    if stages is not None:
+        apply_fsdp_stages(stages, dp_mesh, mp_policy)
+        return model
     kwargs = {"mesh": dp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -184,78 +212,6 @@ def apply_fsdp_stages(stages: PipelineStages, dp_mesh: DeviceMesh, mp_policy: Mi
         for block in view.layers.values():
             fully_shard(block, reshard_after_forward=False, **kwargs)
         fully_shard(view, reshard_after_forward=False, **kwargs)
-
-
-def parallelize_stages(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, stages_per_rank: int = 1, *,
-                       mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False,
-                       split: tuple[tuple[int, int], ...] | None = None, loss_parallel: bool = False,
-                       activation_checkpointing: ActivationCheckpointing | str | None = None,
-                       compile_backend: str | None = None) -> PipelineStages:
-    """Split ``model`` for the pp coordinate of this rank in ``mesh`` (by ``split``, else balanced by the zoo's
-    cost), then TP and FSDP2 on the stage's ``(dp_replicate, dp_shard, tp)`` sub-mesh, as without pp."""
-    n_stages = pcfg.pp * stages_per_rank
-    if split is None:
-        split = stage_split(model.config, n_stages)
-    # From the mesh's coordinates, not the pp group: a probe mesh's groups are not registered with c10d.
-    coordinate = mesh.get_coordinate()[mesh.mesh_dim_names.index("pp")]
-    apply_cp(model, mesh, pcfg)
-    stages = split_model(model, split, pcfg.pp, coordinate, stages_per_rank)
-    tp_mesh, dp_mesh = dense_meshes(mesh, pcfg)
-    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    apply_block_options(model, activation_checkpointing, compile_backend)
-    apply_fsdp_stages(stages, dp_mesh, mp_policy)
-    return stages
-
-
-def parallelize_model(
-    model: Transformer,
-    tp_mesh: DeviceMesh,
-    dp_mesh: DeviceMesh,
-    *,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    sequence_parallel: bool = False,
-    loss_parallel: bool = False,
-    activation_checkpointing: ActivationCheckpointing | str | None = None,
-    compile_backend: str | None = None,
-) -> Transformer:
-    """TP, checkpointing and compile per block, then FSDP on existing meshes (also meshes made by Lightning's
-    ModelParallelStrategy)."""
-    apply_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    apply_block_options(model, activation_checkpointing, compile_backend)
-    return apply_fsdp(model, dp_mesh, mp_policy=mp_policy)
-
-
-def parallelize_llama(
-    module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *,
-    mp_policy: MixedPrecisionPolicy | None = None, sequence_parallel: bool = False, stages_per_rank: int = 1,
-    loss_parallel: bool = False, activation_checkpointing: ActivationCheckpointing | str | None = None,
-    compile_backend: str | None = None,
-) -> nn.Module:
-    """The zoo's parallelize_fn: TP, activation checkpointing and compile per block, then FSDP on every dynatrain
-    `Transformer` in ``module`` (``module`` itself included) for the layout ``pcfg`` on ``mesh``; with pp, each
-    first split into this rank's stages."""
-    found = [m for m in module.modules() if isinstance(m, Transformer)]
-    if not found:
-        raise TypeError(
-            f"{type(module).__name__} holds no dynatrain Transformer: parallelise your own model in the "
-            "LightningModule's `configure_model()` using `self.device_mesh`, or give DynaTrainStrategy a "
-            "`parallelize_fn(module, mesh, layout)` that does"
-        )
-    options = {"activation_checkpointing": activation_checkpointing, "compile_backend": compile_backend}
-    for transformer in found:
-        if pcfg.pp > 1:
-            parallelize_stages(transformer, mesh, pcfg, stages_per_rank, mp_policy=mp_policy,
-                               sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **options)
-        else:
-            apply_cp(transformer, mesh, pcfg)
-            parallelize_model(transformer, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
-                              sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, **options)
-    return module
-
-
-def holds_transformer(module: nn.Module) -> bool:
-    """Whether ``module`` is or holds a dynatrain `Transformer` (what `parallelize_llama` parallelises)."""
-    return any(isinstance(m, Transformer) for m in module.modules())
 
 
 def dp_submesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
@@ -288,29 +244,7 @@ def dense_meshes(mesh: DeviceMesh, pcfg: ParallelConfig) -> tuple[DeviceMesh, De
                      f"needed, got {names}")
 
 
-def build_parallel_model(
-    model_cfg: ModelConfig,
-    pcfg: ParallelConfig,
-    mesh: DeviceMesh,
-    *,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    sequence_parallel: bool = False,
-    device: torch.device | str | None = None,
-    materialize: bool = True,
-) -> Transformer:
-    """The model for ``pcfg`` on ``mesh``: built on meta, parallelised, then (optionally) materialised."""
-    pcfg.validate(model_cfg, mesh.size())
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    apply_cp(model, mesh, pcfg)
-    parallelize_model(model, mesh["tp"], dp_submesh(mesh, pcfg), mp_policy=mp_policy,
-                      sequence_parallel=sequence_parallel)
-    if materialize:
-        materialize_model(model, device or torch.device(mesh.device_type))
-    return model
-
-
-def allocate_model(model: Transformer, device: torch.device | str) -> None:
+def allocate_model(model: nn.Module, device: torch.device | str) -> None:
     """Storage for every local shard, left uninitialised (a switch fills it), and the buffers recomputed."""
     device = torch.device(device)
     model.to_empty(device=device)

@@ -1,7 +1,7 @@
-"""The kinds of model dynatrain trains, each described once by a `ModelSpec`: how to build and parallelise it, its
-analytic state specs, and the terms the layout policy prices it with. `spec_for(config)` is the one place a config's
-type decides anything; everywhere else asks the spec. The dense (Llama) and mixture-of-experts kinds are registered
-below.
+"""The kinds of model dynatrain trains, each described once by a `ModelSpec` (torchtitan's): how to build it, the one
+function that parallelises it, its analytic state specs, and the terms the layout policy prices it with.
+`spec_for(config)` is the one place a config's type decides anything; everywhere else asks the spec. The dense
+(Llama) and mixture-of-experts kinds are registered below (`models.builders` names their modules).
 
 Pure Python at import (torch loads only when a spec builds or parallelises a module): the layout policy reads it.
 """
@@ -31,7 +31,9 @@ class ModelSpec:
     config_type: type
     configs: Mapping[str, Any]  # the named configs of this kind
     build: Callable[[Any], Any]  # config -> module on the current device (meta under torch.device("meta"))
-    parallelize_fn: Callable[[Any, Any, Any, Any], None]  # (module, mesh, ParallelConfig, strategy)
+    # (module built on meta, mesh, ParallelConfig, models.parallelize.ParallelizeOptions) -> the module parallelised
+    # in place; a model file knows nothing of parallelism, each kind's parallelisation is a module of its own
+    parallelize_fn: Callable[[Any, Any, Any, Any], Any]
     states: Callable[..., tuple]  # (config, state kind) -> every routed StateSpec
     layout: Callable[..., Any]  # (config, ParallelConfig, state kind, rank_map, stages_per_rank) -> Layout
     tp_dim: Callable[[str, tuple[int, ...]], int | None]  # (parameter, shape) -> dim TP splits; None: whole
@@ -124,7 +126,7 @@ def get_zoo_config(model: str | ZooConfig) -> ZooConfig:
 
 register(ModelSpec(
     name="dense", label="dense", offer="a dense one", config_type=ModelConfig, configs=MODEL_CONFIGS,
-    build=builders.build_dense, parallelize_fn=builders.parallelize_dense_for,
+    build=builders.build_dense, parallelize_fn=builders.parallelize_dense,
     states=dense_states, layout=dense_layout, tp_dim=dense_tp_dim, stage_split=pipeline_stage_split,
     placed_by_rules=True, routed_experts=False,
     attention_width=cost_terms.dense_attention_width,
@@ -133,7 +135,7 @@ register(ModelSpec(
 ))
 register(ModelSpec(
     name="moe", label="mixture-of-experts", offer="a mixture of experts", config_type=MoEConfig, configs=MOE_CONFIGS,
-    build=builders.build_moe, parallelize_fn=builders.parallelize_moe_for,
+    build=builders.build_moe, parallelize_fn=builders.parallelize_moe,
     states=moe_states, layout=moe_layout, tp_dim=lambda name, shape: moe_tp_dim(name), stage_split=moe_stage_split,
     placed_by_rules=False, routed_experts=True,
     attention_width=cost_terms.moe_attention_width,

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from dynatrain.engine import run_transition
 from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.context_parallel import check_context_parallel
-from dynatrain.models.parallelize import materialize_model, parallelize_llama
+from dynatrain.models.parallelize import ParallelizeOptions, materialize_model
 from dynatrain.models.registry import zoo_config_of
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
@@ -148,6 +147,11 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         self.layout_chooser = None
 
     # ---- layout -------------------------------------------------------------------------------------------
+    @property
+    def parallelize_options(self) -> ParallelizeOptions:
+        """What the zoo's parallelisation (its spec's ``parallelize_fn``) reads of this strategy's options."""
+        return self.parallelism.parallelize_options
+
     @property
     def parallel_request(self) -> str | ParallelConfig:
         """The layout asked for at construction: ``"auto"`` or a `ParallelConfig`."""
@@ -296,11 +300,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         o = self.parallelism
         # Lightning's precision is only known once the trainer has connected its plugin: read it at each build.
         mp_policy = mp_policy_for(getattr(self.precision_plugin, "precision", None), o.mp_policy)
-        zoo = partial(parallelize_llama, mp_policy=o.mp_policy, sequence_parallel=o.sequence_parallel,
-                      stages_per_rank=o.stages_per_rank, loss_parallel=o.loss_parallel,
-                      activation_checkpointing=o.checkpointing, compile_backend=o.compile_backend)
         options = AutoOptions(o.block_types, o.tp_plan, mp_policy, o.reshard_after_forward)
-        return parallelize_default(module, mesh, pcfg, zoo, options)
+        return parallelize_default(module, mesh, pcfg, self.parallelize_options, options)
 
     @contextmanager
     def model_sharded_context(self):

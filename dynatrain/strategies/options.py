@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dynatrain.models.checkpointing import ActivationCheckpointing
 from dynatrain.models.compile import compile_backend
+from dynatrain.models.parallelize import ParallelizeOptions
 from dynatrain.strategies.pipeline_runner import check_schedule
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,6 +109,13 @@ class ParallelismOptions:
     def compile_backend(self) -> str | None:
         """The `torch.compile` backend of ``compile``, None when off."""
         return compile_backend(self.compile)
+
+    @property
+    def parallelize_options(self) -> ParallelizeOptions:
+        """The options a model kind's parallelisation reads (`ModelSpec.parallelize_fn`)."""
+        return ParallelizeOptions(mp_policy=self.mp_policy, sequence_parallel=self.sequence_parallel,
+                                  stages_per_rank=self.stages_per_rank, loss_parallel=self.loss_parallel,
+                                  activation_checkpointing=self.checkpointing, compile_backend=self.compile_backend)
 
 
 @dataclass(frozen=True)

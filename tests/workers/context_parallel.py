@@ -15,9 +15,11 @@ from dynatrain.lm.causal_lm import _cross_entropy
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.context_parallel import context_parallel_of, shard_labels
 from dynatrain.models.llama import Transformer
-from dynatrain.models.moe import MoETransformer, parallelize_moe
+from dynatrain.models.moe import MoETransformer
 from dynatrain.models.moe_configs import MOE_CONFIGS
-from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
+from dynatrain.models.parallelize import init_mesh, materialize_model
+from dynatrain.models.parallelize_dense import parallelize_dense
+from dynatrain.models.parallelize_moe import parallelize_moe
 from dynatrain.vps.parallel_config import ParallelConfig
 
 warnings.filterwarnings("ignore")
@@ -46,7 +48,7 @@ def main() -> None:
 
     with torch.device("meta"):
         model = build(cfg)
-    (parallelize_moe if moe else parallelize_llama)(model, mesh, pcfg)
+    (parallelize_moe if moe else parallelize_dense)(model, mesh, pcfg)
     materialize_model(model, "cpu")
     cp = context_parallel_of(model)
     logits = model(tokens)

@@ -13,7 +13,8 @@ from dynatrain.launch.local import finish_rank
 from dynatrain.lm.causal_lm import _cross_entropy
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.llama import Transformer
-from dynatrain.models.parallelize import init_mesh, materialize_model, parallelize_llama
+from dynatrain.models.parallelize import ParallelizeOptions, init_mesh, materialize_model
+from dynatrain.models.parallelize_dense import parallelize_dense
 from dynatrain.vps.parallel_config import ParallelConfig
 
 warnings.filterwarnings("ignore")
@@ -35,7 +36,7 @@ def main() -> None:
     for split in (False, True):
         with torch.device("meta"):
             model = Transformer(cfg)
-        parallelize_llama(model, mesh, pcfg, loss_parallel=split)
+        parallelize_dense(model, mesh, pcfg, ParallelizeOptions(loss_parallel=split))
         materialize_model(model, "cpu")
         logits = model(tokens)
         loss = _cross_entropy(logits, labels)

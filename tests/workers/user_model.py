@@ -200,7 +200,7 @@ class MoELM(_StepLoss):
         self.net.init_weights()
 
     def configure_model(self) -> None:
-        from dynatrain.models.moe import parallelize_moe
+        from dynatrain.models.parallelize_moe import parallelize_moe
 
         if not any(hasattr(m, "reshard") for m in self.net.modules()):
             # During a switch this hook runs for the target: the strategy's parallel_config is the target's then.

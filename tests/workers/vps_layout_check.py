@@ -31,7 +31,8 @@ if __name__ == "__main__" and "dynatrain" not in sys.modules:
 
 from dynatrain.models.specs import layout_for_model
 from dynatrain.models.configs import ModelConfig, get_model_config
-from dynatrain.models.parallelize import build_parallel_model, init_mesh
+from dynatrain.models.parallelize import init_mesh
+from dynatrain.models.parallelize_dense import build_parallel_model
 from dynatrain.switch.capture import BUFFER, capture
 from dynatrain.vps import Layout, ParallelConfig
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Iterator
 
 from torch.utils.data import DataLoader, IterableDataset
 
