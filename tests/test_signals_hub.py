@@ -89,7 +89,7 @@ def test_limits_reject_with_a_reason_and_training_goes_on(caplog):
 
 def test_no_signal_module_parses_anything_but_json():
     names = [m.name for m in pkgutil.iter_modules(dynatrain.signals.__path__)]
-    assert {"control", "file", "hub", "preemption", "request", "trace", "agreement"} <= set(names)
+    assert {"control_server", "file", "hub", "preemption", "request", "trace", "agreement"} <= set(names)
     for name in ["__init__", *names]:
         module = dynatrain.signals if name == "__init__" else importlib.import_module(f"dynatrain.signals.{name}")
         source = inspect.getsource(module)

@@ -3,7 +3,7 @@
 One torchrun agent per host with `--rdzv-backend dynatrain`: the agent on host A serves the job's store at the
 endpoint, the agent on host B joins it, and the two start the job. A second agent on host B arrives while the job
 trains: its worker is admitted online (2 -> 3 processes), and the recipe's trace scales the job back to 2; the
-strategy verifies every switch bitwise (``verify_switches``). Needs root (network namespaces); skipped elsewhere.
+strategy verifies every switch bitwise (``switching.verify_switches``). Needs root (network namespaces); skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _recipe(tmp_path: Path) -> Path:
     trainer.update(devices=1, max_steps=6, log_every_n_steps=1, default_root_dir=str(tmp_path / "run"))
     trainer.pop("num_nodes", None)
     strategy = trainer["strategy"]["init_args"]
-    strategy.update(parallel="auto", verify_switches=True,
+    strategy.update(parallel="auto", switching={**strategy.get("switching", {}), "verify_switches": True},
                     elastic={"max_devices": 3, "join_timeout": 120.0, "timeout": 60.0})
     elastic = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ElasticCallback"))
     elastic["init_args"].update(trace=[{"step": 2, "devices": 3, "wait": True}, {"step": 4, "devices": 2}],

@@ -32,7 +32,7 @@ def test_rules_follow_the_tp_table():
     assert rule_for_param("layers.0.ffn_norm.weight", (8,)).tp_dim is None
     assert rule_for_param("tok_embeddings.weight", (32, 8)).tp_dim == 0
     assert rule_for_param("output.weight", (32, 8)).tp_dim == 0
-    with pytest.raises(ValueError, match="tp_plan.py"):
+    with pytest.raises(ValueError, match="tp_styles.py"):
         rule_for_param("layers.0.attention.bogus.weight", (8, 8))
 
 

@@ -5,7 +5,7 @@ A piece whose box is one contiguous run of its local tensor needs no copy on tha
 and the receive writes it. Both sides must post the same operations with the same sizes in the same order, so
 the split is decided from the plan alone (the box and the local shape of *both* ends are known to both): a piece
 of at least ``DIRECT_MIN_BYTES`` that is contiguous on either side is its own operation, staged only on the side
-where it is strided; every other piece of the message shares one packed operation, as before. Small pieces stay
+where it is strided; every other piece of the message shares one packed operation. Small pieces stay
 packed because one operation per small piece costs more in posting than the copy it saves.
 
 Here too: where each staged operation sits in the staging buffer (`slots`), and a piece's box as a view of its local

@@ -9,7 +9,7 @@ A plan works on process ids, the indices of the sorted union of members and join
 joiner counter, so joiners sort after every current member, and the plan does not depend on which joiners come:
 it is made for the next ``n`` ids before any joiner is known. At the switch the inputs are computed again from the
 admitted joiners; when they equal the prepared ones (always, unless an older standby process is admitted after a
-newer one) the switch starts from the prepared plan, otherwise it plans at the boundary as before. Rank 0
+newer one) the switch starts from the prepared plan, otherwise it plans at the boundary. Rank 0
 publishes the prepared plan's inputs, and waiting joiners plan their side from them in their own background
 thread.
 
