@@ -5,7 +5,6 @@ This module imports torch only: torchrun loads it in its agent, which never impo
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -26,10 +25,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
-from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV
 from dynatrain.elastic.store import check_token, parse_endpoint, serve_in_process
+from dynatrain.runtime.addresses import is_loopback
+from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, RDZV_ENV, TOKEN_ENV, explicit_or_env
 from dynatrain.settings import RDZV_BACKEND as BACKEND
-from dynatrain.settings import RDZV_ENV, explicit_or_env
 
 LOGGER = logging.getLogger("dynatrain.elastic")
 # torchrun's agents wait here for one another when their workers are done (`SimpleElasticAgent._exit_barrier`).
@@ -37,17 +36,8 @@ TERMINAL_BARRIER = "torchelastic/agent/terminal_state"
 CONFIG_KEYS = {"token_file", "last_call", "timeout", "is_host", "linger"}
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _is_this_host(host: str) -> bool:
-    if _is_loopback(host):
+    if is_loopback(host):
         return True
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
@@ -82,7 +72,7 @@ class DynaTrainRendezvousHandler(RendezvousHandler):
         if self.port == 0:
             raise ValueError(f"--rdzv-endpoint {endpoint}: give a fixed port that every agent can reach")
         if token is None:
-            if not _is_loopback(self.host):
+            if not is_loopback(self.host):
                 raise ValueError(
                     f"--rdzv-endpoint {endpoint} is not a loopback address and the job has no token: set "
                     "$DYNATRAIN_TOKEN or pass --rdzv-conf token_file=PATH on every agent (without a token any "

@@ -7,7 +7,6 @@ host beyond loopback without ``allow_remote``); a bad request is answered with t
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -18,26 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from dynatrain.runtime.addresses import is_loopback
 from dynatrain.signals.hub import SignalHub
 from dynatrain.signals.request import MAX_BODY, PAYLOAD_EXAMPLE, ScaleRequest, is_int, request_from_payload
 
 LOGGER = logging.getLogger("dynatrain.elastic")
-
-
-def is_loopback(host: str) -> bool:
-    """True when every address ``host`` names is a loopback address (a name that does not resolve is not)."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
-    except ValueError:
-        pass
-    else:
-        mapped = getattr(address, "ipv4_mapped", None)
-        return (mapped or address).is_loopback
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 def _peer_host(handler: BaseHTTPRequestHandler) -> str:
