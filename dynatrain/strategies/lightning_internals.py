@@ -1,8 +1,8 @@
 """Lightning's internals outside the fit loop (whose own are in `fit_loop`), reached here for the strategy, its
 switch context and its elastic set-up: a module's trainer before Lightning's ``trainer`` property would answer, a
 module's device mesh, the data connector's ``prepare_data``, the strategy's process-group set-up, and the Fabric
-helpers `ModelParallelStrategy` builds on. `lightning_world` holds Lightning's view of a changed world (its cluster
-environment, rank-zero flag and loggers). What is touched, and the Lightning versions this runs with, is in
+helpers `ModelParallelStrategy` builds on, and the loggers' run identity a new rank 0 takes over (`lightning_world`
+tells Lightning of a changed world through these and Lightning's public API). What is touched, and the Lightning versions this runs with, is in
 docs/lightning.md.
 """
 
@@ -70,3 +70,27 @@ def materialize_distributed_module(module: nn.Module, device: torch.device) -> N
 
 def optimizers_to_device(optimizers, device: torch.device) -> None:
     _optimizers_to_device(optimizers, device)
+
+
+def wandb_run_id(logger) -> str | None:
+    """A W&B logger's run id on a process that is not rank 0 (its ``experiment`` is a dummy there)."""
+    return logger._id
+
+
+def continue_wandb_run(logger, run_id: str) -> None:
+    """Make a W&B logger continue run ``run_id`` instead of starting a new one when this process becomes rank 0."""
+    logger._id = run_id
+    logger._wandb_init.update(id=run_id, resume="allow")
+
+
+def set_logger_version(logger, version) -> bool:
+    """Give a logger with a version of its own (CSV, TensorBoard) ``version``; False for one without."""
+    if not hasattr(logger, "_version"):
+        return False
+    logger._version = version
+    return True
+
+
+def experiment_opened(logger) -> bool:
+    """Whether a CSV logger's writer exists already (opening it erases the directory's metrics file)."""
+    return logger._experiment is not None

@@ -19,7 +19,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from dynatrain.strategies.lightning_internals import trainer_of
+from dynatrain.strategies.lightning_internals import (
+    continue_wandb_run,
+    experiment_opened,
+    set_logger_version,
+    trainer_of,
+    wandb_run_id,
+)
 from dynatrain.strategies.mesh_cache import forget_old_meshes
 
 if TYPE_CHECKING:
@@ -76,7 +82,7 @@ def logger_versions(trainer: pl.Trainer | None) -> list[Any]:
     out = []
     for lg in trainer.loggers:
         if isinstance(lg, WandbLogger):
-            out.append(lg.experiment.id if rank_zero_only.rank == 0 else lg._id)
+            out.append(lg.experiment.id if rank_zero_only.rank == 0 else wandb_run_id(lg))
         else:
             out.append(getattr(lg, "version", None))
     return out
@@ -89,10 +95,9 @@ def adopt_logger_versions(trainer: pl.Trainer | None, versions: list[Any]) -> No
         if v is None:
             continue
         if isinstance(lg, WandbLogger):
-            lg._id = v
-            lg._wandb_init.update(id=v, resume="allow")  # a new rank 0 continues the run, not a new one
-        elif hasattr(lg, "_version"):
-            lg._version = v
+            continue_wandb_run(lg, v)  # a new rank 0 continues the run, not a new one
+        else:
+            set_logger_version(lg, v)
 
 
 def take_over_logging(trainer: pl.Trainer | None) -> None:
@@ -100,7 +105,7 @@ def take_over_logging(trainer: pl.Trainer | None) -> None:
     if trainer is None:
         return
     for lg in trainer.loggers:
-        if not isinstance(lg, CSVLogger) or lg._experiment is not None:
+        if not isinstance(lg, CSVLogger) or experiment_opened(lg):
             continue
         path = Path(lg.log_dir) / "metrics.csv"
         rows = path.read_text() if path.is_file() else None
