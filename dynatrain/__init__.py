@@ -1,18 +1,17 @@
 """dynatrain: online parallelism switching for elastic LLM training on PyTorch Lightning.
 
 Importing the package registers ``strategy="dynatrain"`` with Lightning (at once, or when Lightning is imported:
-see `dynatrain.strategies.registration`), in every process Lightning launches, and changes nothing else in the interpreter:
-no environment variable, no ``gc.freeze`` (dynatrain's entry points freeze the import-time objects, a script of
-yours calls `dynatrain.runtime.memory.freeze_import_time_objects` after its imports: see `dynatrain.runtime.memory`). Settings are
-arguments (`dynatrain.settings`). The pure layers (`dynatrain.vps`, `dynatrain.planner`) import without Lightning.
+see `dynatrain.strategies.registration`), in every process Lightning launches, and changes nothing else in the
+interpreter: no environment variable, no ``gc.freeze`` (dynatrain's entry points freeze the import-time objects, a
+script of yours calls `dynatrain.runtime.memory.freeze_import_time_objects` after its imports: see
+`dynatrain.runtime.memory`). Settings are arguments (`dynatrain.settings`). The pure layers (`dynatrain.vps`,
+`dynatrain.planner`) import without Lightning.
 """
 
-from dynatrain.runtime.version import __version__
 from dynatrain.models.configs import MODEL_CONFIGS, ModelConfig, get_model_config
+from dynatrain.runtime.version import __version__
 from dynatrain.strategies.registration import register_when_lightning_loads
 from dynatrain.vps.parallel_config import ParallelConfig
-
-
 
 _OPTIONS = ("DataOptions", "ParallelismOptions", "SwitchingOptions")
 

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
-
 def source_options(value: bool | dict | None, name: str, keys: set[str]) -> dict | None:
     if value is None or value is False:
         return None

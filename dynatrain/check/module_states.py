@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import torch
 
-
 PARAM_GROUP = "#param_group"
 SCHEDULER = "#scheduler"
 

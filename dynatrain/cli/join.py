@@ -16,8 +16,8 @@ from pathlib import Path
 from dynatrain.cli.devices import own_device
 from dynatrain.cli.process_flags import add_process_flags
 from dynatrain.elastic.manager import JOIN_CHECKPOINT
-from dynatrain.settings import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV, explicit_or_env
 from dynatrain.runtime.threads import mark_if_unset
+from dynatrain.settings import ENDPOINT_ENV, JOIN_ENV, TOKEN_ENV, explicit_or_env
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,9 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from dynatrain.launch.job import JOB_ARGV_KEY
     from dynatrain.cli.train import run_lightning_cli
     from dynatrain.elastic.store import connect
+    from dynatrain.launch.job import JOB_ARGV_KEY
 
     try:
         token = Path(args.token_file).read_text().strip() if args.token_file else args.token

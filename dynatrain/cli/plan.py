@@ -19,12 +19,12 @@ import json
 import sys
 import time
 
-from dynatrain.runtime.memory import freeze_import_time_objects
 from dynatrain.models.registry import get_zoo_config, spec_for, zoo_names
 from dynatrain.models.specs import layout_for_model
 from dynatrain.planner.network import NetworkModel
 from dynatrain.planner.schedule import plan_switch
 from dynatrain.policy.stall_model import CPU_HASH, CheckCost, predict_stall
+from dynatrain.runtime.memory import freeze_import_time_objects
 from dynatrain.vps.layout import STATE_KINDS
 from dynatrain.vps.parallel_config import ParallelConfig
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from dynatrain.settings import VERBOSE_ENV
 from dynatrain.runtime.memory import HEAP_CHOICES
-from dynatrain.settings import FREEZE_ENV, HEAP_ENV
+from dynatrain.settings import FREEZE_ENV, HEAP_ENV, VERBOSE_ENV
 
 # flag -> (the variable it sets, the value, help)
 SWITCHES = {

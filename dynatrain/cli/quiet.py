@@ -15,7 +15,6 @@ import warnings
 
 from dynatrain.settings import VERBOSE_ENV, explicit_or_env
 
-
 # Lightning's start-up lines, printed again by every process that builds a Trainer (joiners, standby processes).
 _INFO = (
     "💡 Tip: For seamless cloud logging and experiment tracking,",

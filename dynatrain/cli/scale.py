@@ -2,8 +2,8 @@
 
     dynatrain scale --endpoint HOST:PORT (--devices N | --layout SPEC) [--wait] [--token TOKEN] [--timeout S]
 
-The job's control server (``dynatrain.signals.control_server.ControlServer``) answers ``{"accepted": ..., "reason": ...}``,
-which is printed. Exit status: 0 accepted, 1 refused by the job, 2 bad arguments or no answer.
+The job's control server (``dynatrain.signals.control_server.ControlServer``) answers
+``{"accepted": ..., "reason": ...}``, which is printed. Exit status: 0 accepted, 1 refused by the job, 2 bad arguments or no answer.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+
 from dynatrain.settings import TOKEN_ENV, explicit_or_env
 
 HELP = "ask a running job to scale to N devices or to a layout (through its control endpoint)"

@@ -22,11 +22,10 @@ from pathlib import Path
 
 from dynatrain.cli.process_flags import add_process_flags
 from dynatrain.cli.quiet import without_library_lines
-from dynatrain.launch.local import PRELOAD, LaunchError, launch_local
+from dynatrain.launch.local import PRELOAD, LaunchError, joiners_needed, launch_elastic, launch_local
 from dynatrain.models.configs import MODEL_CONFIGS
 from dynatrain.models.moe_configs import MOE_CONFIGS
 from dynatrain.models.specs import get_zoo_config
-from dynatrain.launch.local import joiners_needed, launch_elastic
 from dynatrain.selfcheck.results import merge_losses, merge_samples, merge_switches
 from dynatrain.vps.parallel_config import ParallelConfig
 

@@ -33,8 +33,8 @@ from dynatrain.elastic.world import (
     registered,
     union_then_target,
 )
-from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, REJOIN_ENV, TOKEN_ENV, explicit_or_env
 from dynatrain.runtime.threads import host_name, resplit, splits_threads
+from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, JOIN_ENV, REJOIN_ENV, TOKEN_ENV, explicit_or_env
 
 # What a launcher carries to the processes it starts, read as the defaults of `ElasticConfig` (dynatrain.settings):
 JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes from: loop state over the store

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import resource
+
 from dynatrain.settings import ELASTIC_ENV, explicit_or_env
 
 # Where the members keep every core busy, a standby at niceness 10 gets a tenth of a member's share and may never be

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+
 from dynatrain.settings import STORE_TOKEN_ENV, explicit_or_env
 
 TOKEN_KEY = "dynatrain/token_sha256"

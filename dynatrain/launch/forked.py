@@ -151,8 +151,8 @@ def _run_launch(spec: dict) -> int:
 
 def _preload(names: list[str]) -> None:
     """Import ``names``, then freeze what the imports made (`memory.freeze_import_time_objects`, which importing
-    dynatrain leaves to the entry points): the ranks forked from here keep their switches' collections cheap, and the frozen objects'
-    pages are not copied into each rank by the collector touching them."""
+    dynatrain leaves to the entry points): the ranks forked from here keep their switches' collections cheap, and the
+    frozen objects' pages are not copied into each rank by the collector touching them."""
     for name in names:
         importlib.import_module(name)
     if names:

@@ -28,9 +28,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dynatrain.elastic.manager import FINISHED_KEY, initial_member
-from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV
 from dynatrain.elastic.priority import DEFAULT_STANDBY_NICE, check_amount
 from dynatrain.runtime.threads import launch_env
+from dynatrain.settings import ELASTIC_ENV, ENDPOINT_ENV, REJOIN_ENV, TOKEN_ENV
 
 OPTIONS = {"max_devices": int, "devices": int, "standby": int, "join_timeout": float, "timeout": float,
            "host": str, "workdir": str, "restarts": int, "standby_nice": int}

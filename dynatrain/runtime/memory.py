@@ -27,6 +27,7 @@ import gc
 import os
 import sys
 from collections.abc import Mapping
+
 from dynatrain.settings import FREEZE_ENV, HEAP_ENV, explicit_or_env
 
 # Each variable here is the default of an argument, which wins when given (dynatrain.settings lists them; this

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+
 from dynatrain.settings import THREADS_ENV, explicit_or_env
 
 # "split": dynatrain chose this process's count and keeps it split; the default of ElasticConfig.split_threads

@@ -126,8 +126,8 @@ def merge_proposals(proposals: Sequence[Proposal | None]) -> MergedRequest | Non
 
 
 def all_gather_slots(slot: Slot, group=None) -> list[Slot]:
-    """Every rank's slot, in rank order of ``group`` (the world's control group, `dynatrain.runtime.control_group`); only ``slot``
-    without a process group."""
+    """Every rank's slot, in rank order of ``group`` (the world's control group, `dynatrain.runtime.control_group`);
+    only ``slot`` without a process group."""
     if not control_group.distributed():
         return [slot]
     gathered = control_group.all_gather_bytes(encode_slot(slot), group)

@@ -24,16 +24,16 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 
-from dynatrain.runtime.control_group import new_control_group
-from dynatrain.elastic import priority
 from dynatrain.check.hash_weights import warm_up as warm_up_switch_check
+from dynatrain.elastic import priority
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.engine import run_transition
-from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.context_parallel import check_context_parallel
 from dynatrain.models.parallelize import ParallelizeOptions, materialize_model
 from dynatrain.models.registry import zoo_config_of
+from dynatrain.runtime.control_group import new_control_group
+from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
 from dynatrain.strategies.elastic_setup import ElasticSetup

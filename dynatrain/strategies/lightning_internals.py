@@ -2,8 +2,8 @@
 switch context and its elastic set-up: a module's trainer before Lightning's ``trainer`` property would answer, a
 module's device mesh, the data connector's ``prepare_data``, the strategy's process-group set-up, and the Fabric
 helpers `ModelParallelStrategy` builds on, and the loggers' run identity a new rank 0 takes over (`lightning_world`
-tells Lightning of a changed world through these and Lightning's public API). What is touched, and the Lightning versions this runs with, is in
-docs/lightning.md.
+tells Lightning of a changed world through these and Lightning's public API). What is touched, and the Lightning
+versions this runs with, is in docs/lightning.md.
 """
 
 from __future__ import annotations

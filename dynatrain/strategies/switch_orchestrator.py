@@ -24,6 +24,7 @@ from enum import Enum
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.elastic.store import connect as connect_store
 from dynatrain.strategies import fit_loop
 from dynatrain.strategies.switch_checks import check_module, check_target, check_world
@@ -40,7 +41,6 @@ from dynatrain.switch.report import RecoveryReport, SwitchReport
 from dynatrain.switch.states import capture_states
 from dynatrain.switch.survivors import Recovery
 from dynatrain.switch.target import TargetLayouts
-from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.vps.parallel_config import ParallelConfig
 
 

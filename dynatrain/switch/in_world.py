@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dynatrain.runtime import control_group
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
+from dynatrain.runtime import control_group
 from dynatrain.switch.capture import Captured
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.prepare import Background, plan_mesh_safe
