@@ -304,8 +304,9 @@ class ElasticCallback(pl.Callback):
         if opts.get("token_file"):
             self.token_file = Path(opts["token_file"])
             return read_or_create_token(self.token_file)
-        if explicit_or_env(None, TOKEN_ENV):
-            return explicit_or_env(None, TOKEN_ENV)
+        from_env = explicit_or_env(None, TOKEN_ENV)
+        if from_env:
+            return from_env
         self.token_file = run_dir / "control.token"
         return read_or_create_token(self.token_file, fresh=True)
 
