@@ -29,8 +29,8 @@ def launch(script: str, nprocs: int, args: list[str], tmp_path: Path, timeout: f
 
 
 def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, joiners: list[list[str]] = (),
-                   timeout: float = 240.0, grace: float = 2.0, may_die=(), threads: str | None = "1"
-                   ) -> tuple[list[dict], list[dict]]:
+                   timeout: float = 240.0, grace: float = 2.0, may_die=(), threads: str | None = "1",
+                   joiners_may_die: bool = False) -> tuple[list[dict], list[dict]]:
     """An elastic job: the store, ``nprocs`` members, and one joining process per entry of ``joiners`` (its extra
     arguments). Returns (members' results, joiners' results). ``threads``: every process's OMP_NUM_THREADS; None
     leaves it to the launcher (the cores split among the processes, again at each world change)."""
@@ -40,7 +40,8 @@ def launch_elastic(script: str, nprocs: int, args: list[str], tmp_path: Path, jo
     try:
         return launch_elastic_local([str(WORKERS / script), *args], nprocs, tmp_path, joiners=list(joiners),
                                     timeout=timeout, env=env, name=Path(script).stem, grace=grace,
-                                    may_die=may_die, preload=PRELOAD, keep_zygote=True)
+                                    may_die=may_die, joiners_may_die=joiners_may_die, preload=PRELOAD,
+                                    keep_zygote=True)
     except LaunchError as e:
         raise AssertionError(str(e)) from None
 

@@ -203,8 +203,8 @@ def _wrap_new_group(dist, c10d):
     return new_group
 
 
-def _wrap_init(dist, c10d):
-    original = c10d.init_process_group
+def _wrap_init(dist, c10d, original):
+    """A new world: torch's ``init_process_group``, or dynatrain's `next_world.install` of a group formed apart."""
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
@@ -234,11 +234,14 @@ def install() -> None:
     _world["installed"] = True
     wrapped = {op: _wrap(dist, c10d, op) for op in sorted(_COLLECTIVES | _P2P) if hasattr(c10d, op)}
     wrapped["new_group"] = _wrap_new_group(dist, c10d)
-    wrapped["init_process_group"] = _wrap_init(dist, c10d)
+    wrapped["init_process_group"] = _wrap_init(dist, c10d, c10d.init_process_group)
     for op, fn in wrapped.items():
         setattr(c10d, op, fn)
         if getattr(dist, op, None) is not None:
             setattr(dist, op, fn)
+    from dynatrain.elastic import next_world
+
+    next_world.install = _wrap_init(dist, c10d, next_world.install)
     atexit.register(_write_counts)
 
 

@@ -184,7 +184,7 @@ def test_a_joiner_with_another_model_config_or_code_version_is_refused_at_regist
     import torch.distributed as dist
 
     from dynatrain.elastic.manager import member_info
-    from dynatrain.elastic.world import RegistrationError, register, registered
+    from dynatrain.elastic.registry import RegistrationError, register, registered
 
     store = dist.HashStore()
     register(store, "000000-0", member_info(DEBUG, "0.1.0"))

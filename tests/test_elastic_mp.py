@@ -7,8 +7,10 @@ from tests._launch import launch, launch_elastic
 
 pytestmark = pytest.mark.multiprocess
 
-SWITCHES = "2:dp_shard=2:2,3;4:dp_shard=3;5:dp_shard=2,tp=2"
-AHEAD = SWITCHES.replace(":2,3;", ":2,3:ahead;")
+# Every switch planned ahead: a scale-out then switches once the world it forms with its admitted joiners has formed
+# (the boundary after their admission at the latest), so the requests come early enough for the last joiner to train
+# a step.
+SWITCHES = "2:dp_shard=2:2,3:ahead;3:dp_shard=3::ahead;4:dp_shard=2,tp=2::ahead"
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -30,14 +32,15 @@ def static_losses(tmp_path_factory):
 def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monkeypatch):
     steps = STEPS
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher chooses every process's threads
-    # The second joiner starts only once the members wait for it to reach dp_shard=2,tp=2 and prepare that world
-    # change in the background; they train on, but not past step 7 without it.
+    # The second joiner starts only once the members requested dp_shard=2,tp=2. From step 4 on, a pending scale-out
+    # holds training until a joiner is ready: admitted, it forms the next world with the members while they train
+    # the next step, and they switch after it.
     signal = str(tmp_path / "preparing")
     # The scale-in is planned ahead: requested at the first micro-batch of step 2, it runs at the end of that
     # optimizer step.
     members, joiners = launch_elastic(
-        "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", AHEAD,
-                          "--prepared-signal", f"dp_shard=2,tp=2@{signal}", "--hold-for-joiner", str(steps - 1)],
+        "elastic.py", 4, ["--layout", "dp_shard=4", "--steps", str(steps), "--switches", SWITCHES,
+                          "--prepared-signal", f"dp_shard=2,tp=2@{signal}", "--hold-for-joiner", "4"],
         tmp_path / "e", joiners=[[], ["--start-after", signal]], timeout=360, threads=None,
     )
     # Ranks 2 and 3 left at the first switch, with status 0, after sending their shards.
@@ -57,8 +60,12 @@ def test_scale_in_then_out_with_joining_processes(tmp_path, static_losses, monke
     for r in first["reports"]:
         assert {"plan", "world", "mesh", "build", "transfer", "adopt"} <= set(r["phases"]), r["phases"]
         assert r["boundary_wait_s"] >= 0 and r["stall_s"] == pytest.approx(sum(r["phases"].values()))
-    # The scale-in planned ahead and the last scale-out ran from plans prepared while the members trained on.
-    assert [r["prepared"] for r in first["reports"]][::2] == [True, True]
+    # Each ran from a plan prepared while the members trained on.
+    assert [r["prepared"] for r in first["reports"]] == [True, True, True]
+    # Every one of the three knew its members ahead (the scale-in its leavers, each scale-out its ready joiners), so
+    # its target world formed while at least one optimizer step trained, and the stall only swapped it in.
+    assert all(r["formed_ahead_steps"] >= 1 for r in first["reports"]), [r["formed_ahead_steps"] for r in
+                                                                        first["reports"]]
     assert all(m["reports"][0]["prepared"] for m in members[2:]), "the leavers sent from the prepared plan too"
     # Same global batch, same data, same optimizer state: the losses of a static run, step for step.
     ref = static_losses
@@ -184,3 +191,26 @@ def test_a_switch_within_the_world_after_a_joiner_came_builds_alike_on_members_a
         assert p["layout"] == "tp=2" and p["world_size"] == 2 and p["global_step"] == 6, p
         assert all(r["verified"] for r in p["reports"])
     assert [r["new_layout"] for r in members[0]["reports"]] == ["tp=2", "dp_shard=1", "dp_shard=2", "tp=2"]
+
+
+@pytest.mark.timeout(420)
+def test_a_joiner_that_dies_while_the_next_world_forms_is_dropped_and_another_takes_its_place(tmp_path,
+                                                                                               static_losses):
+    """Admitted, the joiner dies before it forms the next world with the members, who form it while they train:
+    they notice only by its stopped beats, warn, drop that world, and admit the next ready joiner; every state is
+    kept and the losses are a static run's."""
+    died = str(tmp_path / "died")
+    members, joiners = launch_elastic(
+        "elastic.py", 2, ["--layout", "dp_shard=2", "--steps", str(STEPS), "--switches", "1:dp_shard=3::ahead",
+                          "--hold-for-joiner", "1", "--heartbeat", "0.2", "--timeout", "120"],
+        tmp_path / "e", joiners=[["--die-when-admitted", died], ["--start-after", died]], timeout=360,
+        joiners_may_die=True,
+    )
+    assert joiners[0] is None, "the first joiner was killed once admitted"
+    for p in members + joiners[1:]:
+        assert (p["layout"], p["world_size"], p["global_step"]) == ("dp_shard=3", 3, STEPS), p
+    first = members[0]
+    (report,) = first["reports"]
+    assert report["verified"] and report["formed_ahead_steps"] >= 1, report
+    assert any("was dropped" in w and "stopped beating" in w for w in first["warnings"]), first["warnings"]
+    assert all(_close(a, b) for a, b in zip(first["losses"], static_losses)), (first["losses"], static_losses)

@@ -13,9 +13,8 @@ import pytest
 
 from _launch import python_path
 from dynatrain.elastic import store as store_mod
-from dynatrain.elastic.world import (
-    RegistrationError, WorldChange, default_backend, plan_union_then_target, register, registered, set_job_info,
-)
+from dynatrain.elastic.registry import RegistrationError, register, registered, set_job_info
+from dynatrain.elastic.world import WorldChange, default_backend, plan_union_then_target
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "workers" / "world_worker.py"

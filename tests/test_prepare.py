@@ -10,7 +10,6 @@ from dynatrain.models.configs import get_model_config
 from dynatrain.switch.prepare import (
     INTENT_KEY,
     WARM_KEY,
-    Background,
     ChangeInputs,
     JoinerPrep,
     MemberPrep,
@@ -19,6 +18,7 @@ from dynatrain.switch.prepare import (
     target_order,
 )
 from dynatrain.models.specs import model_states
+from dynatrain.runtime.background import Background
 from dynatrain.vps.parallel_config import ParallelConfig
 from dynatrain.vps.rules import rule_sharding
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import dynatrain.runtime.threads as threads
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager
-from dynatrain.elastic.world import register
+from dynatrain.elastic.registry import register
 from dynatrain.launch.local import joiner_env, rank_env
 from dynatrain.runtime.threads import SPLIT, launch_env, mark_if_unset, resplit, share
 from dynatrain.settings import THREADS_ENV

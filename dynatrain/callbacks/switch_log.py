@@ -102,7 +102,7 @@ def switch_record(report: Any, decision: Mapping | None = None) -> dict:
         "boundary_wait_s": d.get("boundary_wait_s"),
         "decision": dict(decision) if decision else None,
     }
-    for key in ("expert_imbalance", "expert_imbalance_per_layer", *DEVICE_FIELDS):  # kept when read back
+    for key in ("expert_imbalance", "expert_imbalance_per_layer", "formed_ahead_steps", *DEVICE_FIELDS):
         if d.get(key) is not None:
             record[key] = d[key]
     return record
@@ -112,7 +112,7 @@ def switch_metrics(record: Mapping) -> dict[str, float]:
     """The ``switch/...`` metrics of one record; fields the report left empty are left out, not logged as 0."""
     out: dict[str, float] = {}
     for key in ("stall_s", "bytes_moved", "bytes_moved_identity", "peak_bytes", "world_size", "expert_imbalance",
-                "compile_s", "boundary_wait_s", *DEVICE_FIELDS):
+                "compile_s", "boundary_wait_s", "formed_ahead_steps", *DEVICE_FIELDS):
         if record.get(key) is not None:
             out[f"switch/{key}"] = float(record[key])
     for phase, seconds in (record.get("phases") or {}).items():

@@ -8,15 +8,17 @@ import importlib
 
 _STORE = ("StoreProcess", "connect", "request_shutdown", "start_store")
 _WORLD = (
-    "RegistrationError", "StateMover", "WorldChange", "WorldGeneration", "announce", "await_admission", "config_hash",
-    "deregister", "join", "pending_joiners", "plan_union_then_target", "register", "registered", "run_world_change",
-    "set_job_info", "union_then_target",
+    "StateMover", "WorldChange", "WorldGeneration", "announce", "await_admission", "join", "plan_union_then_target",
+    "run_world_change", "union_then_target",
 )
-__all__ = sorted(_STORE + _WORLD)
+_REGISTRY = ("RegistrationError", "config_hash", "deregister", "pending_joiners", "register", "registered",
+             "set_job_info")
+_MODULES = {**{n: "store" for n in _STORE}, **{n: "world" for n in _WORLD}, **{n: "registry" for n in _REGISTRY}}
+__all__ = sorted(_MODULES)
 
 
 def __getattr__(name: str):
-    if name in _STORE or name in _WORLD:
-        module = importlib.import_module("dynatrain.elastic." + ("store" if name in _STORE else "world"))
+    if name in _MODULES:
+        module = importlib.import_module("dynatrain.elastic." + _MODULES[name])
         return getattr(module, name)
     raise AttributeError(f"module 'dynatrain.elastic' has no attribute {name!r}")

@@ -22,15 +22,13 @@ from typing import Any, Callable
 
 from dynatrain.elastic import priority
 from dynatrain.elastic.store import connect
+from dynatrain.elastic.registry import deregister, pending_joiners, processes_on_host, register
 from dynatrain.elastic.world import (
+    NextGeneration,
     WorldChange,
     WorldGeneration,
     await_admission,
     default_backend,
-    deregister,
-    pending_joiners,
-    register,
-    registered,
     union_then_target,
 )
 from dynatrain.runtime.threads import host_name, resplit, splits_threads
@@ -41,6 +39,9 @@ JOIN_CHECKPOINT = "dynatrain://join"  # the ckpt_path a joiner's Trainer resumes
 # Every member waits at the rendezvous for the last admitted joiner to notice: poll often (one small store request).
 ADMISSION_POLL = 0.01
 FINISHED_KEY = "elastic/finished"
+
+
+PAYLOAD_POLL = 0.002  # the members wait in their stall for a joiner that formed their next world to read it
 
 
 class JobEnded(RuntimeError):
@@ -243,18 +244,26 @@ class ElasticManager:
         """Registered joiners that said they are ready and still beat, in arrival order. A joiner whose beats
         stopped for ``5 * heartbeat`` (it died or hangs) is dropped instead of being admitted."""
         assert self.world is not None
-        now, out = time.monotonic(), []
+        out = []
         for m in sorted(pending_joiners(self.store, self.world.members)):
-            count = self.store.add(f"elastic/alive/{m}", 0)
-            seen = self._joiner_beats.get(m)
-            if seen is None or seen[0] != count:
-                self._joiner_beats[m] = (count, now)
-            elif now - seen[1] > 5 * self.config.heartbeat:
-                self.drop_joiner(m, f"it stopped beating for {now - seen[1]:.1f}s (the process died or hangs)")
+            silent = self.silent_for(m)
+            if silent is not None:
+                self.drop_joiner(m, f"it stopped beating for {silent:.1f}s (the process died or hangs)")
                 continue
             if self.store.check([f"elastic/ready/{m}"]):
                 out.append(m)
         return out
+
+    def silent_for(self, member_id: str) -> float | None:
+        """Seconds since ``member_id``'s beats stopped, once over ``5 * heartbeat`` (it died or hangs); else None.
+        Called at each boundary by rank 0 for the joiners it waits on."""
+        now = time.monotonic()
+        count = self.store.add(f"elastic/alive/{member_id}", 0)
+        seen = self._joiner_beats.get(member_id)
+        if seen is None or seen[0] != count:
+            self._joiner_beats[member_id] = (count, now)
+            return None
+        return now - seen[1] if now - seen[1] > 5 * self.config.heartbeat else None
 
     def drop_joiner(self, member_id: str, reason: str) -> None:
         self.store.set(f"elastic/dropped/{member_id}", reason)
@@ -265,14 +274,23 @@ class ElasticManager:
         """What joiners need to run the switch; written before the world change is announced."""
         self.store.set(f"elastic/switch/{generation}", json.dumps(payload))
 
-    def change_world(self, new_members: list[str], transfer, order: list[str] | None = None
-                     ) -> WorldGeneration | None:
+    def change_world(self, new_members: list[str], transfer, order: list[str] | None = None,
+                     ahead: NextGeneration | bool = False) -> WorldGeneration | None:
         """Every current member: union, ``transfer`` on it, then the target (ranked by ``order`` when given).
+        ``ahead``: the target was formed in the background (`form_ahead` on its members, True on one that leaves).
         None on a member that left."""
         assert self.world is not None
-        self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout, order=order)
-        self.split_threads()
+        self.world = union_then_target(self.world, new_members, transfer, timeout=self.config.timeout, order=order,
+                                       ahead=ahead)
+        self.split_threads(ahead.host_processes if isinstance(ahead, NextGeneration) else None)
         return self.world
+
+    def form_ahead(self, members: list[str]) -> NextGeneration:
+        """Start forming the next generation of ``members`` (in rank order, this process one of them) on a
+        background thread with its own store connection, while the current one trains."""
+        assert self.world is not None
+        return self.world.form_ahead(lambda: connect(self.endpoint, self.token, timeout=self.config.timeout),
+                                     members)
 
     def agree_on_survivors(self, info: dict) -> dict[str, dict]:
         """After a fault: which members of the current generation are still there, each with its ``info``.
@@ -341,8 +359,27 @@ class ElasticManager:
         finally:
             priority.restore()
         t = await_admission(self.store, self.member_id, timeout=self.config.timeout)
-        payload = json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
-        return t, payload
+        if t.key is not None:
+            return t, None  # the world forms first, with the members, while they train; the payload comes after
+        return t, json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
+
+    def await_payload(self, t: WorldChange) -> dict:
+        """A joiner admitted to a change formed ahead, in its world already: the payload rank 0 publishes at the
+        switch's boundary (a TimeoutError if the members dropped the change instead)."""
+        key, deadline = f"elastic/switch/{t.generation}", time.monotonic() + self.config.timeout
+        while not self._check_alive([key]):
+            if self.store.check([FINISHED_KEY]):
+                raise JobEnded(f"joiner {self.member_id}: the job finished before it switched to generation "
+                               f"{t.generation}, which this process had formed with its members")
+            dropped = f"elastic/dropped/{self.member_id}"
+            if self.store.check([dropped]):
+                raise TimeoutError(f"joiner {self.member_id} was dropped by the job: "
+                                   f"{self.store.get(dropped).decode()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"joiner {self.member_id}: the members formed generation {t.generation} with it "
+                                   f"but did not switch within {self.config.timeout:.0f}s")
+            time.sleep(PAYLOAD_POLL)
+        return json.loads(self.store.get(key).decode())
 
     def _check_alive(self, keys: list[str]) -> bool:
         """``store.check``, where a store that is gone means the job ended (its store lives with it)."""
@@ -360,7 +397,11 @@ class ElasticManager:
             pass  # the store is gone already: so are the waiting processes' chances of admission
 
     def join_world(self, t: WorldChange, transfer) -> WorldGeneration:
+        """A joiner's part of ``t``; a world it formed ahead already (``transfer`` None) is returned as it is."""
         from dynatrain.elastic.world import run_world_change
+
+        if self.world is not None and self.world.generation == t.generation + len(t.steps) - 1:
+            return self.world
 
         world = run_world_change(t, store=self.store, member_id=self.member_id, transfer=transfer,
                                  timeout=self.config.timeout, backend=self.backend)
@@ -373,11 +414,9 @@ class ElasticManager:
     def processes_on_this_host(self) -> int:
         """How many members of the current world registered this process's host (itself included)."""
         assert self.world is not None
-        infos = registered(self.store)
-        host = infos.get(self.member_id, {}).get("host")
-        return max(1, sum(1 for m in self.world.members if host is not None and infos.get(m, {}).get("host") == host))
+        return processes_on_host(self.store, self.member_id, self.world.members)
 
-    def split_threads(self) -> int | None:
+    def split_threads(self, processes: int | None = None) -> int | None:
         """This process's share of its host's cores among the world's processes there (`threads.resplit`: only
         where dynatrain chose the count, and only in a CPU world: on GPUs the operators do not run on these
         threads, and the count reads every member's registration); the count set, or None. A member that left
@@ -385,7 +424,7 @@ class ElasticManager:
         if (self.world is None or not splits_threads(self.config.split_threads)
                 or "nccl" in (self.backend or default_backend())):
             return None
-        processes = self.processes_on_this_host()
+        processes = processes or self.processes_on_this_host()  # ``processes``: counted ahead
         n = resplit(processes, split=True)
         self.thread_splits.append((processes, n))
         return n
@@ -395,7 +434,7 @@ def member_info(model_config: Any, code_version: str) -> dict[str, Any]:
     """What a process registers with: the job refuses a joiner whose values differ."""
     from dataclasses import asdict, is_dataclass
 
-    from dynatrain.elastic.world import config_hash
+    from dynatrain.elastic.registry import config_hash
 
     cfg = asdict(model_config) if is_dataclass(model_config) else model_config
     return {"model_config_hash": config_hash(cfg), "code_version": code_version, "pid": os.getpid(),

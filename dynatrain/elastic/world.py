@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -29,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from dynatrain.elastic.broken_world import abort_groups, let_python_see_nccl_errors
-
-MATCH_FIELDS = ("model_config_hash", "code_version")
-
+from dynatrain.elastic import next_world
+from dynatrain.elastic.next_world import FormedGroup, form_group
+from dynatrain.elastic.registry import canonical_json, deregister, processes_on_host
+from dynatrain.runtime.background import Background
 
 def _bound_device(backend: str) -> dict:
     """``device_id`` for an NCCL world: the process's current CUDA device, which Lightning (a member) or
@@ -65,8 +67,61 @@ def _ordered(members: Iterable[str]) -> tuple[str, ...]:
     return out
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+CANCEL_POLL = 0.005  # seconds between looks at a cancellable formation's arrivals
+
+
+def _wait_for(store, keys: list[str], deadline: float, cancel: threading.Event | None) -> bool:
+    """Whether every key exists before ``deadline`` (and before ``cancel`` is set): a cancellable wait polls, so a
+    formation given up on ends at once instead of at its timeout, inside the store's client when the interpreter
+    exits (which aborts the process)."""
+    if cancel is None:
+        try:
+            store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            return True
+        except RuntimeError:
+            return False
+    while not store.check(keys):
+        if cancel.is_set() or time.monotonic() > deadline:
+            return False
+        time.sleep(CANCEL_POLL)
+    return True
+
+
+def _arrive_and_form(store, generation: int, member_id: str, members: tuple[str, ...], timeout: float,
+                     backend: str, key: str | None = None, cancel: threading.Event | None = None) -> FormedGroup:
+    """Every member of generation ``generation`` meets under its prefix of the store (``key``, default
+    ``gen{generation}``), then they form its group (not registered with torch yet: `next_world.install`). Any
+    thread may run it, with its own connection to the store; ``cancel`` set ends its wait for the others."""
+    key = key or f"gen{generation}"
+    deadline = time.monotonic() + timeout
+    ours = dist.PrefixStore(f"{key}/dynatrain/", store)
+    agreed = ours.compare_set("members", "", canonical_json(members)).decode()
+    if agreed != canonical_json(members):
+        raise ValueError(f"generation {generation} is being formed with members {json.loads(agreed)}, this "
+                         f"process asked for {list(members)}: every member must pass the same list")
+    if ours.add(f"arrived/{member_id}", 1) != 1:
+        raise RuntimeError(f"member {member_id!r} already joined generation {generation}: generation numbers "
+                           f"are never re-used, form generation {generation + 1} instead")
+    keys = [f"arrived/{m}" for m in members]
+    if not _wait_for(ours, keys, deadline, cancel):
+        missing = [m for m in members if not ours.check([f"arrived/{m}"])]
+        if cancel is not None and cancel.is_set():
+            raise RuntimeError(f"generation {generation}: formation cancelled while waiting for {missing}")
+        raise TimeoutError(
+            f"generation {generation}: member(s) {missing} did not arrive within {timeout:.1f}s "
+            f"(arrived: {[m for m in members if m not in missing]}); drop them from the member list and form "
+            f"generation {generation + 1}, or raise the timeout")
+
+    let_python_see_nccl_errors(backend)  # before the group exists: NCCL reads it when a group is made
+    try:
+        # The group's timeout is also every later collective's: the full timeout, not what the wait left.
+        return form_group(dist.PrefixStore(f"{key}/pg/", store), members.index(member_id), len(members),
+                          backend, timedelta(seconds=timeout), **_bound_device(backend))
+    except RuntimeError as e:
+        # Every member arrived, so a failure here means one died or hung between arriving and connecting.
+        kind = TimeoutError if "timeout" in str(e).lower() or "timed out" in str(e).lower() else RuntimeError
+        raise kind(f"generation {generation}: the {backend} group of {list(members)} did not form within "
+                   f"{timeout:.1f}s after every member arrived (a member died or hung): {e}") from None
 
 
 @dataclass
@@ -78,6 +133,7 @@ class WorldGeneration:
     backend: str
     timeout: float
     active: bool = field(default=True)
+    _attempts: dict = field(default_factory=dict, repr=False)  # members -> generations formed ahead for them
 
     @property
     def rank(self) -> int:
@@ -89,8 +145,9 @@ class WorldGeneration:
 
     @classmethod
     def join(cls, store, generation: int, member_id: str, members: Iterable[str], timeout: float = 60.0,
-             backend: str | None = None, ordered: bool = False) -> "WorldGeneration":
-        """Form generation ``generation`` as the default process group; every member calls this.
+             backend: str | None = None, ordered: bool = False, key: str | None = None) -> "WorldGeneration":
+        """Form generation ``generation`` as the default process group; every member calls this (or, on a member
+        of the current generation, `form_ahead`: then with its ``key``).
 
         Ranks follow the sorted member list, or the list as given with ``ordered``. Raises ``TimeoutError``
         naming the absent members when not all of them arrive within ``timeout`` seconds.
@@ -103,37 +160,8 @@ class WorldGeneration:
             raise RuntimeError("a process group is already initialised: leave the current generation first "
                                "(WorldGeneration.leave or next_generation)")
         backend = backend or default_backend()
-        deadline = time.monotonic() + timeout
-        ours = dist.PrefixStore(f"gen{generation}/dynatrain/", store)
-
-        agreed = ours.compare_set("members", "", _dumps(members)).decode()
-        if agreed != _dumps(members):
-            raise ValueError(f"generation {generation} is being formed with members {json.loads(agreed)}, this "
-                             f"process asked for {list(members)}: every member must pass the same list")
-        if ours.add(f"arrived/{member_id}", 1) != 1:
-            raise RuntimeError(f"member {member_id!r} already joined generation {generation}: generation numbers "
-                               f"are never re-used, form generation {generation + 1} instead")
-        keys = [f"arrived/{m}" for m in members]
-        try:
-            ours.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError:
-            missing = [m for m in members if not ours.check([f"arrived/{m}"])]
-            raise TimeoutError(
-                f"generation {generation}: member(s) {missing} did not arrive within {timeout:.1f}s "
-                f"(arrived: {[m for m in members if m not in missing]}); drop them from the member list and form "
-                f"generation {generation + 1}, or raise the timeout") from None
-
-        let_python_see_nccl_errors(backend)  # before the group exists: NCCL reads it when a group is made
-        try:
-            # The group's timeout is also every later collective's: the full timeout, not what the wait left.
-            dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}/pg/", store),
-                                    rank=members.index(member_id), world_size=len(members),
-                                    timeout=timedelta(seconds=timeout), **_bound_device(backend))
-        except RuntimeError as e:
-            # Every member arrived, so a failure here means one died or hung between arriving and connecting.
-            kind = TimeoutError if "timeout" in str(e).lower() or "timed out" in str(e).lower() else RuntimeError
-            raise kind(f"generation {generation}: the {backend} group of {list(members)} did not form within "
-                       f"{timeout:.1f}s after every member arrived (a member died or hung): {e}") from None
+        formed = _arrive_and_form(store, generation, member_id, members, timeout, backend, key)
+        next_world.install(formed)  # looked up here: a test's checker wraps it as it wraps init_process_group
         return cls(store, generation, members, member_id, backend, timeout)
 
     def leave(self) -> None:
@@ -164,6 +192,50 @@ class WorldGeneration:
         gc.collect()
         return True
 
+    def form_ahead(self, connect: Callable[[], Any], members: Iterable[str], generation: int | None = None
+                   ) -> "NextGeneration":
+        """Start forming generation ``generation`` (default: the next) of ``members`` (in rank order) on a
+        background thread, with its own connection to the store (``connect``), while this one trains on; every
+        member of it calls this or `join` for the same generation. This process must be one of ``members``."""
+        members = _ordered(members)
+        if self.member_id not in members:
+            raise ValueError(f"member {self.member_id!r} forms generation of {list(members)} without being in it")
+        generation = self.generation + 1 if generation is None else generation
+        # Its own keys per attempt: a formation a dropped request left half done never meets a later one, and the
+        # generation number stays the one the change after it will use. Every member of ``members`` forms alike
+        # for the same requests, so each counts the same attempts.
+        attempt = self._attempts[members] = self._attempts.get(members, 0) + 1
+        key = f"gen{generation}/ahead/{hashlib.sha256(canonical_json(members).encode()).hexdigest()[:12]}-{attempt}"
+        backend, timeout, me = self.backend, self.timeout, self.member_id
+        cancel = threading.Event()
+
+        def form() -> tuple[FormedGroup, int]:
+            store = connect()
+            formed = _arrive_and_form(store, generation, me, members, timeout, backend, key, cancel)
+            return formed, processes_on_host(store, me, members)  # read here, not in the stall
+
+        return NextGeneration(generation, members, Background(key, form, "dynatrain-form-world"), key, cancel)
+
+    def enter(self, ahead: "NextGeneration", timeout: float | None = None) -> "WorldGeneration":
+        """This process's world becomes generation ``ahead`` (formed in the background; waited for here if it is
+        not yet): its group is torch's default one at once, and this generation's groups end on a background
+        thread, with no barrier: every member of this generation enters the next or `depart`s at the same
+        boundary, and nothing of this one is used any more."""
+        formed, _ = ahead.formation.result(self.timeout if timeout is None else timeout)
+        old = next_world.install(formed)  # looked up here: a test's checker wraps it as it wraps init_process_group
+        self.active = False
+        next_world.retire(old)
+        return WorldGeneration(self.store, ahead.generation, ahead.members, self.member_id, self.backend,
+                               self.timeout)
+
+    def depart(self) -> None:
+        """Leave the job's world at a change whose next generation formed without this process: out of the
+        registry, this generation's groups ended on a background thread, no barrier (see `enter`)."""
+        deregister(self.store, self.member_id)
+        if self.active:
+            self.active = False
+            next_world.retire(next_world.detach_all())
+
     def next_generation(self, members: Iterable[str], timeout: float | None = None,
                         ordered: bool = False) -> "WorldGeneration | None":
         """Every current member calls this with the same list; returns ``None`` on a member that is not in it.
@@ -185,62 +257,34 @@ class WorldGeneration:
 join = WorldGeneration.join
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Registry: joiners announce themselves; current members decide when to admit them.
+@dataclass
+class NextGeneration:
+    """A generation being formed in the background (`WorldGeneration.form_ahead`), entered with
+    `WorldGeneration.enter`."""
 
+    generation: int
+    members: tuple[str, ...]
+    formation: Background  # of (the `FormedGroup`, how many of its members share this process's host)
+    key: str  # its keys in the store, which a joiner forming it with the members takes from the announcement
+    cancel: threading.Event  # set: a formation still waiting for its members gives up
 
-class RegistrationError(ValueError):
-    pass
+    @property
+    def host_processes(self) -> int:
+        return self.formation.result()[1]
 
+    def discard(self) -> None:
+        """Not entered: a formation still waiting for a member gives up; a group formed already ends."""
+        formation = self.formation
+        self.cancel.set()
 
-def config_hash(obj: Any) -> str:
-    """A short stable hash of a JSON-able model/training configuration, for ``info["model_config_hash"]``."""
-    return hashlib.sha256(_dumps(obj).encode()).hexdigest()[:16]
+        def end() -> None:
+            try:
+                formed, _ = formation.result()
+            except Exception:  # noqa: BLE001 - nothing formed, nothing to end
+                return
+            next_world.retire([formed.group], wait=True)
 
-
-def register(store, member_id: str, info: dict, match: Iterable[str] = MATCH_FIELDS) -> None:
-    """Record ``member_id`` as willing to join, after checking ``info`` against the job's.
-
-    The first process to register (or :func:`set_job_info`) fixes the job's values of the ``match`` fields; a
-    later process whose values differ is refused, since it would build a different model or run different code.
-    """
-    set_job_info(store, info, match)
-    store.set(f"registry/info/{member_id}", _dumps(info))
-    # The id is published after its info, so a reader that sees the id also sees the info.
-    n = store.add("registry/count", 1)
-    store.set(f"registry/id/{n}", str(member_id))
-
-
-def set_job_info(store, info: dict, match: Iterable[str] = MATCH_FIELDS) -> None:
-    ref = {k: info.get(k) for k in match}
-    job = json.loads(store.compare_set("registry/job", "", _dumps(ref)).decode())
-    diff = {k: (job.get(k), ref.get(k)) for k in set(job) | set(ref) if job.get(k) != ref.get(k)}
-    if diff:
-        lines = ", ".join(f"{k}: job has {a!r}, this process has {b!r}" for k, (a, b) in sorted(diff.items()))
-        raise RegistrationError(f"registration refused, this process does not match the job ({lines}): start it "
-                                f"with the job's model config and code version")
-
-
-def deregister(store, member_id: str) -> None:
-    store.set(f"registry/left/{member_id}", "1")
-
-
-def registered(store) -> dict[str, dict]:
-    """Every registered process that has not left, with its info."""
-    out: dict[str, dict] = {}
-    for i in range(1, store.add("registry/count", 0) + 1):
-        if not store.check([f"registry/id/{i}"]):
-            continue  # counted but not yet published: it shows up on the next call
-        mid = store.get(f"registry/id/{i}").decode()
-        if not store.check([f"registry/left/{mid}"]):
-            out[mid] = json.loads(store.get(f"registry/info/{mid}").decode())
-    return out
-
-
-def pending_joiners(store, members: Iterable[str]) -> dict[str, dict]:
-    """Registered processes that are not in ``members``: candidates for the next generation."""
-    current = set(members)
-    return {m: info for m, info in registered(store).items() if m not in current}
+        threading.Thread(target=end, name="dynatrain-discard-world", daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,6 +297,7 @@ class WorldChange:
     old: tuple[str, ...]
     new: tuple[str, ...]
     order: tuple[str, ...] | None = None  # the target generation's rank order (default: sorted)
+    key: str | None = None  # the target's keys in the store, when formed ahead (`WorldGeneration.form_ahead`)
 
     @property
     def union(self) -> tuple[str, ...]:
@@ -271,24 +316,26 @@ class WorldChange:
         return ([] if self.union == self.old else [self.union]) + [self.target]
 
     def to_json(self) -> str:
-        return _dumps({"generation": self.generation, "old": self.old, "new": self.new, "order": self.order})
+        return canonical_json({"generation": self.generation, "old": self.old, "new": self.new, "order": self.order,
+                       "key": self.key})
 
     @classmethod
     def from_json(cls, text: str) -> "WorldChange":
         d = json.loads(text)
         order = _ordered(d["order"]) if d.get("order") else None
-        return cls(d["generation"], _members(d["old"]), _members(d["new"]), order)
+        return cls(d["generation"], _members(d["old"]), _members(d["new"]), order, d.get("key"))
 
 
 def plan_union_then_target(generation: int, old: Iterable[str], new: Iterable[str],
-                           order: Iterable[str] | None = None) -> WorldChange:
-    """The world change from the current generation ``generation`` with ``old`` to ``new`` (ranked by ``order``)."""
+                           order: Iterable[str] | None = None, key: str | None = None) -> WorldChange:
+    """The world change from the current generation ``generation`` with ``old`` to ``new`` (ranked by ``order``;
+    ``key``: the target formed ahead under these keys)."""
     new = _members(new)
     if order is not None:
         order = _ordered(order)
         if set(order) != set(new):
             raise ValueError(f"order {list(order)} is not an arrangement of the new members {list(new)}")
-    return WorldChange(generation + 1, _members(old), new, order)
+    return WorldChange(generation + 1, _members(old), new, order, key)
 
 
 def announce(store, t: WorldChange) -> None:
@@ -313,23 +360,26 @@ StateMover = Callable[[WorldGeneration], None]
 
 
 def union_then_target(world: WorldGeneration, new: Iterable[str], transfer: StateMover | None = None,
-                      timeout: float | None = None, order: Iterable[str] | None = None) -> WorldGeneration | None:
+                      timeout: float | None = None, order: Iterable[str] | None = None,
+                      ahead: NextGeneration | bool = False) -> WorldGeneration | None:
     """Run by every current member: move to ``new``, calling ``transfer`` on the group spanning old and new.
 
     Rank 0 announces the plan so admitted joiners (:func:`await_admission`, then :func:`run_world_change`) follow
-    it. ``order``: the target generation's rank order. Returns the target generation, or ``None`` on a member
-    that left.
+    it. ``order``: the target generation's rank order. ``ahead``: the target generation was formed in the
+    background, on a member of it this `NextGeneration`, on one that leaves True. Returns the target generation, or
+    ``None`` on a member that left.
     """
     t = plan_union_then_target(world.generation, world.members, new, order)
-    if world.rank == 0:
+    if world.rank == 0 and not ahead:  # a change formed ahead was announced when it began to form
         announce(world.store, t)
-    return run_world_change(t, world=world, transfer=transfer, timeout=timeout)
+    return run_world_change(t, world=world, transfer=transfer, timeout=timeout, ahead=ahead)
 
 
 def run_world_change(t: WorldChange, world: WorldGeneration | None = None, store=None,
                      member_id: str | None = None, transfer: StateMover | None = None, timeout: float | None = None,
-                     backend: str | None = None) -> WorldGeneration | None:
-    """Take part in ``t``: with ``world`` on a current member, with ``store`` and ``member_id`` on a joiner."""
+                     backend: str | None = None, ahead: NextGeneration | bool = False) -> WorldGeneration | None:
+    """Take part in ``t``: with ``world`` on a current member, with ``store`` and ``member_id`` on a joiner.
+    ``ahead``: the target generation was formed in the background (see `union_then_target`)."""
     if world is None and (store is None or member_id is None or member_id in t.old):
         raise ValueError("a joiner passes store and member_id (and is not an old member); a current member "
                          "passes its world")
@@ -341,10 +391,20 @@ def run_world_change(t: WorldChange, world: WorldGeneration | None = None, store
     if transfer is not None and t.union == t.old:
         transfer(world)  # a pure scale-in: the current group already spans everyone
     current = world
-    for i, members in enumerate(t.steps):
-        if current is None:
+    steps = t.steps
+    for i, members in enumerate(steps):
+        if ahead and i == len(steps) - 1 and current is not None:
+            if current.member_id not in members:
+                current.depart()
+                return None
+            if not isinstance(ahead, NextGeneration) or (ahead.generation, ahead.members) != (t.generation + i,
+                                                                                              members):
+                raise ValueError(f"the world change forms generation {t.generation + i} of {list(members)}; this "
+                                 f"member formed {getattr(ahead, 'members', None)} ahead")
+            current = current.enter(ahead, timeout)
+        elif current is None:
             current = WorldGeneration.join(store, t.generation + i, member_id, members, timeout, backend,
-                                           ordered=True)
+                                           ordered=True, key=t.key if i == len(steps) - 1 else None)
         else:
             current = current.next_generation(members, timeout, ordered=True)
         if current is None:

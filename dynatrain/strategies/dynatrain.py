@@ -224,6 +224,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         set_module_mesh(self.lightning_module, self._device_mesh)
 
     def teardown(self) -> None:
+        if self._switcher is not None:
+            self._switcher.drop_pending()
         if self.elastic_setup is not None:
             self.elastic_setup.finish()
         super().teardown()

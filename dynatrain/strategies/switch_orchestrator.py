@@ -26,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.elastic.store import connect as connect_store
-from dynatrain.strategies import fit_loop
+from dynatrain.elastic.world import NextGeneration
+from dynatrain.strategies import fit_loop, formed_ahead
 from dynatrain.strategies.switch_checks import check_module, check_target, check_world
 from dynatrain.strategies.switch_context import StrategyContext
 from dynatrain.switch import driver
@@ -72,12 +73,25 @@ class SwitchRequest:
     in_world: bool = True  # the same processes: no process leaves or joins
     state: RequestState = RequestState.REQUESTED
     prep: MemberPrep | InWorldPrep | None = None  # its plan, made in the background
+    ahead: NextGeneration | None = None  # a scale-out's target generation, forming while training goes on
+    admitted: list[str] | None = None  # the joiners it forms with
+    forming_since: float | None = None
+    forming_step: int | None = None  # the trainer's step when its target generation began to form
+    watcher: "formed_ahead.Watcher | None" = None  # admits ready joiners and forms with them inside a step
+    attempts: int = 0  # watchers started, the same count on every member
 
     def to(self, state: RequestState) -> None:
         if state not in _NEXT[self.state]:
             raise RuntimeError(f"a switch request to {self.target.short()} cannot go from {self.state.value} to "
                                f"{state.value}")
         self.state = state
+        if state is RequestState.DROPPED:  # a generation formed for it ends
+            if self.watcher is not None and self.watcher.take().ahead is not None:
+                self.watcher.ahead.discard()
+            if isinstance(self.prep, MemberPrep):
+                self.prep.discard()
+            if self.ahead is not None:
+                self.ahead.discard()
 
     def prepared(self, prep: MemberPrep | InWorldPrep) -> None:
         self.to(RequestState.PREPARED)
@@ -170,6 +184,12 @@ class SwitchOrchestrator:
             self._prepare(request, captured)
         return target
 
+    def drop_pending(self) -> None:
+        """Training ended with a request still pending: it never runs, and a world formed for it ends."""
+        if self.pending is not None:
+            self.pending.to(RequestState.DROPPED)
+            self.pending = None
+
     def switch(self, target: str | ParallelConfig, *, rank_map: str | None = None, budget_mb: float | None = None
                ) -> SwitchReport:
         """A layout switch within the current world (same processes), now."""
@@ -206,6 +226,18 @@ class SwitchOrchestrator:
         strategy = self.strategy
         change = f"world change {strategy.parallel_config.short()} -> {request.target.short()}"
         try:
+            if request.admitted is not None:  # admitted at an earlier boundary, its world forming since
+                if not formed_ahead.formed(self, request):
+                    return None
+                self.pending = None
+                rank_zero_info(f"{change}: admitting joiners {request.admitted}, the world formed while training "
+                               "went on")
+                move = WorldChange(request.target, (), request.admitted, self.targets, request.prep,
+                                   formed_ahead.generation(request), request.forming_step)
+                with self._refusable(request):
+                    self.require_boundary()
+                    return self._run(request, move)
+                return None
             joiners = self._agree_on_joiners(request)
             while joiners is None and request.wait:  # every rank waits alike: each round is one broadcast
                 time.sleep(0.2)
@@ -219,13 +251,17 @@ class SwitchOrchestrator:
                                f"{strategy.elastic.config.join_timeout:.0f}s; training goes on with "
                                f"{strategy.world_size} processes")
                 return None
+            if formed_ahead.start(self, request, joiners):
+                self.pending = request  # it switches once its world has formed: now, if the watcher began it
+                return self._run_world_change(request)
             shrink = strategy.world_size - request.target.world_size + len(joiners)
             leaving = (f"ranks {sorted(request.leave)}" if request.leave else
                        f"{shrink} process(es) chosen by the planner" if shrink > 0 else "none")
             rank_zero_info(f"{change}: leaving {leaving}; admitting joiners {joiners or 'none'}")
             with self._refusable(request):
                 self.require_boundary()
-                move = WorldChange(request.target, request.leave, joiners, self.targets, request.prep)
+                move = WorldChange(request.target, request.leave, joiners, self.targets, request.prep,
+                                   forming_step=request.forming_step)
                 return self._run(request, move)
             return None
         except (RuntimeError, TimeoutError) as e:
@@ -267,9 +303,10 @@ class SwitchOrchestrator:
                 self._prepare(request)
             return None
         decision = None
+        admitted = formed_ahead.taken(request)  # every member stops its watcher here
         if strategy.global_rank == 0:
             manager = strategy.elastic
-            ready = manager.ready_joiners()
+            ready = admitted or manager.ready_joiners()
             if len(ready) >= need:
                 decision = ready[:need]
             elif time.monotonic() - request.requested_at > manager.config.join_timeout:
@@ -281,6 +318,7 @@ class SwitchOrchestrator:
         decision = strategy.broadcast(decision)
         if decision is None:
             self._prepare(request)
+            formed_ahead.watch(self, request)
         return decision
 
     def _prepare(self, request: SwitchRequest, captured: Captured | None = None) -> None:
@@ -300,19 +338,33 @@ class SwitchOrchestrator:
         if request.prep is not None and request.prep.inputs == inputs:
             return
         if not inputs.joiners:
-            request.prepared(MemberPrep(inputs))
+            if request.prep is not None:
+                request.prep.discard()
+            request.prepared(MemberPrep(inputs, form=self._former(inputs)))
+            request.forming_step = self.ctx.step
             return
         # A step boundary: what the allocator holds free now is what the steps work in.
         working = free_working_bytes(strategy.root_device) if strategy.global_rank == 0 else 0
-        request.prepared(MemberPrep(inputs, self._intent_store(), working))
+        request.prepared(MemberPrep(inputs, self.intent_store(), working))
 
-    def _intent_store(self):
+    def _former(self, inputs):
+        """How a change whose members are all known forms its target generation ahead, once planned."""
+        manager = self.strategy.elastic
+
+        def form(world_plan):
+            members = world_plan.target_members(inputs.union)
+            return manager.form_ahead(members) if manager.member_id in members else None
+
+        return form
+
+    def intent_store(self):
         """On rank 0, how the plan's thread connects to the store (a connection serves one thread); None
         elsewhere."""
-        strategy = self.strategy
-        if strategy.global_rank != 0:
-            return None
-        manager = strategy.elastic
+        return self.store_connection() if self.strategy.global_rank == 0 else None
+
+    def store_connection(self):
+        """How a background thread connects to the job's store (a connection serves one thread)."""
+        manager = self.strategy.elastic
         return lambda: connect_store(manager.endpoint, manager.token, timeout=manager.config.timeout)
 
     # ---- a process lost -----------------------------------------------------------------------------------
@@ -345,6 +397,9 @@ class SwitchOrchestrator:
         prep.prepare_now()  # the members train on meanwhile; once it is ready, they may admit it at the next boundary
         manager.mark_ready()
         change, payload = manager.await_admission(on_wait=prep.poll)
+        if payload is None:  # admitted to a world forming while the members train: formed now, the payload after
+            manager.join_world(change, None)
+            payload = manager.await_payload(change)
         self.join_payload = JoinPayload(**payload)
         self.joining = driver.switch_stages(self.ctx, Join(prep, change, self.join_payload),
                                             transfer=self.strategy.switch_transfer)

@@ -53,6 +53,7 @@ class Planned:
     prepared: bool = False  # planned in the background while training went on
     probe: nn.Module | None = None
     union: tuple[str, ...] = ()  # member ids of the plan's processes, in plan-id order
+    formed_ahead_steps: int | None = None  # the target world formed while this many steps trained
 
 
 def ranks_in(world, union) -> dict[int, int]:
@@ -207,7 +208,7 @@ class Stages:
             bytes_moved_identity=plan.bytes_moved_identity, rounds=plan.num_rounds,
             rank_map=[] if left else list(planned.target_ranks), peak_bytes=stats.peak_bytes,
             peak_bound=stats.peak_bound, verified=verified, phases=timer.phases, old_world_size=old.world_size,
-            prepared=planned.prepared, heap_trimmed=heap_trimmed,
+            prepared=planned.prepared, heap_trimmed=heap_trimmed, formed_ahead_steps=planned.formed_ahead_steps,
             boundary_wait_s=timer.aside.get("boundary_wait", 0.0),
             **{k: getattr(stats, k) for k in DEVICE_FIELDS},
         )

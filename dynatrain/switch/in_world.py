@@ -21,7 +21,8 @@ from dynatrain.planner.schedule import SwitchPlan, plan_switch
 from dynatrain.runtime import control_group
 from dynatrain.switch.capture import Captured
 from dynatrain.switch.context import SwitchContext
-from dynatrain.switch.prepare import Background, plan_mesh_safe
+from dynatrain.runtime.background import Background
+from dynatrain.switch.prepare import plan_mesh_safe
 from dynatrain.switch.target import TargetLayouts
 from dynatrain.vps.layout import Layout, StateSpec
 from dynatrain.vps.parallel_config import ParallelConfig

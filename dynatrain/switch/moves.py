@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dynatrain.check import verify
+from dynatrain.elastic.world import NextGeneration
 from dynatrain.switch.context import SwitchContext
 from dynatrain.switch.driver import Move, Planned, Stages, ranks_in
 from dynatrain.switch.in_world import InWorldPrep, in_world_inputs, plan_in_world, planner_rank_map
@@ -72,6 +73,8 @@ class WorldChange(Move):
     joiners: list[str]
     targets: TargetLayouts
     prepared: MemberPrep | None = None  # planned in the background while the job waited for its joiners
+    formed: NextGeneration | None = None  # the target generation a scale-out formed while training went on
+    forming_step: int | None = None  # the trainer's step when the target generation began to form
 
     def run(self, s: Stages) -> SwitchReport:
         ctx = s.ctx
@@ -86,11 +89,13 @@ class WorldChange(Move):
         if set(members) == set(planned.union):
             # Nobody leaves: the transfer runs on the target world itself, and the target is built there before
             # it, while the joiners run their Lightning set-up (see `Join`).
-            world = ctx.elastic.change_world(members, lambda world: self._on_target(s, world), order=members)
+            world = ctx.elastic.change_world(members, lambda world: self._on_target(s, world), order=members,
+                                             ahead=self.ahead)
             s.timer.lap("world")
         else:
-            world = ctx.elastic.change_world(members, lambda world: self._on_union(s, world), order=members)
-            s.timer.lap("world")  # forming the target world after the transfer on the union, or leaving the job
+            world = ctx.elastic.change_world(members, lambda world: self._on_union(s, world), order=members,
+                                             ahead=self.ahead)
+            s.timer.lap("world")  # the target world formed (or, formed ahead, entered) after the transfer, or left
             if world is None:
                 report = s.leave()
                 ctx.publish(report)
@@ -106,10 +111,24 @@ class WorldChange(Move):
         inputs = change_inputs(ctx, self.targets, self.target, self.leave, self.joiners, held.captured)
         prepared = self.prepared is not None and self.prepared.inputs == inputs
         self.world_plan: WorldPlan = self.prepared.plan() if prepared else plan_world_change(inputs)
+        # The target generation formed while training went on: entered here by the members it keeps (the same
+        # inputs on every process, so all of them take this branch alike), departed by the others.
+        self.ahead = False
+        if self.formed is not None:
+            if not prepared:  # its joiners formed the world from the plan the members prepared
+                raise RuntimeError(f"the world change to {self.target.short()} formed its world ahead from a plan "
+                                   "whose inputs no longer hold")
+            self.ahead = self.formed
+        elif self.prepared is not None and self.prepared.forms_ahead:
+            if prepared:
+                self.ahead = self.prepared.ahead or True
+            else:
+                self.prepared.discard()
         union = tuple(inputs.union)
+        steps = ctx.step - self.forming_step if self.ahead and self.forming_step is not None else None
         return Planned(self.world_plan.plan, self.world_plan.old_layout, self.target,
                        union.index(ctx.elastic.member_id), list(self.world_plan.target_ranks), prepared,
-                       union=union)
+                       union=union, formed_ahead_steps=steps)
 
     def _publish(self, ctx: SwitchContext, s: Stages, planned: Planned) -> None:
         """Rank 0 hands the joiners what they cannot capture: the plan's inputs, kept states, loop state, loggers;

@@ -13,10 +13,10 @@ newer one) the switch starts from the prepared plan, otherwise it plans at the b
 publishes the prepared plan's inputs, and waiting joiners plan their side from them in their own background
 thread.
 
-Process groups are not prepared: torch holds one default group per process, so a member cannot hold the next
-generation's group beside the current one, and a joiner cannot enter the current one. Forming a generation stays
-in the stall (tens of milliseconds with gloo), and so does connecting the new mesh's groups, which NCCL would
-otherwise do at their first collective (`models.parallelize.connect_mesh_groups`)."""
+A change whose members are all known ahead (no joiner: a scale-in) also forms its target generation in the
+background once planned (`WorldGeneration.form_ahead`): torch holds one default group per process, but a group
+can be built beside it and made the default one at the boundary (`elastic.next_world`). The new mesh's groups are
+still made in the stall, on the entered generation."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 
 from dynatrain import engine
 from dynatrain.runtime import memory
+from dynatrain.runtime.background import Background
 from dynatrain.engine import torch_dtype
 from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.parallelize import mesh_safe
@@ -154,35 +155,6 @@ def plan_from_payload(payload: dict) -> tuple[SwitchPlan, Layout]:
     return plan, old_layout
 
 
-class Background:
-    """One computation on a daemon thread; `result()` waits for it and re-raises what it raised."""
-
-    def __init__(self, key: Any, fn: Callable[[], Any], name: str) -> None:
-        self.key = key
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._value = fn()
-        except BaseException as e:  # handed to the caller of result()
-            self._error = e
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 WARM_KEY = "working_bytes"  # in a published intent, beside the plan's inputs
 PAGE = 4096  # the smallest page of the hosts this runs on: a write every PAGE bytes maps a larger page too
 
@@ -219,17 +191,25 @@ def warm_allocator(nbytes: int, device: "torch.device | str") -> int:
 class MemberPrep:
     """A member's preparation of one world change: the plan, on its own thread."""
 
-    def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None, working_bytes: int = 0) -> None:
+    def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None, working_bytes: int = 0,
+                 form: Callable[[WorldPlan], Any] | None = None) -> None:
         """``connect``: on rank 0, a new connection to the job's store, to publish the intent from the plan's thread
         as soon as it is planned; joiners that get ready before the next step boundary then prepare their side
         before they are admitted, which can be at that boundary. ``working_bytes``: what this member's steps work in
-        (`free_working_bytes`), published with the intent for the joiners to warm their allocators with."""
+        (`free_working_bytes`), published with the intent for the joiners to warm their allocators with. ``form``:
+        given the plan, starts forming the target generation in the background (`WorldGeneration.form_ahead`) and
+        returns it, or None on a process the plan leaves out; a change whose members are all known ahead (no
+        joiner) has it."""
         self.inputs = inputs
         self.published = False
         self.working_bytes = working_bytes
+        self.forms_ahead = form is not None
+        self.ahead = None  # the target generation, forming, once planned (on a process that stays)
 
         def plan() -> WorldPlan:
             world_plan = plan_world_change(inputs)
+            if form is not None:
+                self.ahead = form(world_plan)
             if connect is not None:
                 try:
                     connect().set(INTENT_KEY, self._intent(world_plan))
@@ -239,6 +219,22 @@ class MemberPrep:
             return world_plan
 
         self._plan = Background(inputs, plan, "dynatrain-plan-next-world")
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the plan's thread raised, once done."""
+        return self._plan.error
+
+    def discard(self) -> None:
+        """The change will not run as prepared: the generation formed for it ends once formed."""
+        def end() -> None:
+            self._plan.wait()
+            if self.ahead is not None:
+                self.ahead.discard()
+                self.ahead = None
+
+        if self.forms_ahead:
+            threading.Thread(target=end, name="dynatrain-discard-prep", daemon=True).start()
 
     def done(self) -> bool:
         return self._plan.done()

@@ -30,6 +30,9 @@ class SwitchReport:
     phases: dict[str, float] = field(default_factory=dict)
     old_world_size: int | None = None
     prepared: bool = False  # planned in the background while training went on (a scale-out, or plan_ahead)
+    # A world change whose target world formed in the background: the optimizer steps trained while it formed (its
+    # ``world`` phase is then only the swap); None where it formed in the stall, or no world formed.
+    formed_ahead_steps: int | None = None
     # torch.compile of the target's blocks, None when off: compiled at the first step on the new layout (it needs the
     # moved weights), outside the stall; filled in as that step runs.
     compile_s: float | None = None

@@ -36,7 +36,7 @@ class Script(pl.Callback):
         self.entries = entries
         self.next = 0
         self.die = die  # (step, rank): that rank is killed at the boundary where a switch is pending
-        # (layout, file): rank 0 creates the file once a world change to that layout is being prepared
+        # (layout, file): rank 0 creates the file once a world change to that layout is pending
         self.prepared_signal = prepared_signal
         # From this step's boundary on, a pending scale-out holds training until a joiner is ready: rank 0 waits
         # here, the others in the scale-out's broadcast. Else a joiner slow to start (a loaded machine) is admitted
@@ -54,11 +54,10 @@ class Script(pl.Callback):
         if (self.die and trainer.global_rank == self.die[1] and trainer.global_step >= self.die[0]
                 and strategy._switcher.pending is not None and strategy._switcher.at_boundary()):
             os.kill(os.getpid(), signal.SIGKILL)
-        prepared = strategy._switcher.prepared
-        if self.prepared_signal and trainer.global_rank == 0 and prepared is not None \
-                and prepared.inputs.target.short() == self.prepared_signal[0]:
-            Path(self.prepared_signal[1]).touch()
         pending = strategy._switcher.pending
+        if self.prepared_signal and trainer.global_rank == 0 and pending is not None \
+                and pending.target.short() == self.prepared_signal[0]:
+            Path(self.prepared_signal[1]).touch()
         if (self.hold_for_joiner is not None and trainer.global_step >= self.hold_for_joiner
                 and trainer.global_rank == 0 and pending is not None
                 and pending.target.world_size > strategy.world_size - len(pending.leave)
@@ -144,10 +143,13 @@ def main() -> None:
     ap.add_argument("--crash", default="", help="STEP:RANK is SIGKILLed in the middle of that optimizer step")
     ap.add_argument("--diverge", default="", help="STEP:RANK changes its copy of a replicated state in that step")
     ap.add_argument("--prepared-signal", default=None, metavar="LAYOUT@FILE", help="rank 0 creates FILE once a "
-                    "world change to LAYOUT, waiting for joiners, is being prepared in the background")
+                    "world change to LAYOUT is pending")
     ap.add_argument("--start-after", default=None, help="a joiner starts training only once this file exists")
     ap.add_argument("--hold-for-joiner", type=int, default=None, metavar="STEP",
                     help="from this step on, a pending scale-out holds training until a joiner is ready")
+    ap.add_argument("--die-when-admitted", default=None, metavar="FILE", help="a joiner creates FILE and is "
+                    "SIGKILLed as soon as the members admit it, before it forms their next world with them")
+    ap.add_argument("--heartbeat", type=float, default=None, help="seconds between liveness beats")
     ap.add_argument("--user-model", default=None, metavar="OPTIMIZER",
                     help="train tests/workers/user_model.py's UserLM with this optimizer instead of LlamaLM")
     args = ap.parse_args()
@@ -156,12 +158,25 @@ def main() -> None:
         parts = item.split(":")
         leave = tuple(int(r) for r in parts[2].split(",")) if len(parts) > 2 and parts[2] else ()
         entries.append((int(parts[0]), parts[1], leave, parts[3:] == ["ahead"]))
+    if args.die_when_admitted:
+        from dynatrain.elastic.manager import ElasticManager
+
+        admitted = ElasticManager.await_admission
+
+        def die_when_admitted(self, *a, **kw):
+            out = admitted(self, *a, **kw)
+            Path(args.die_when_admitted).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        ElasticManager.await_admission = die_when_admitted
     joining = os.environ.get(JOIN_ENV) == "1"
     world = 1 if joining else int(os.environ.get("WORLD_SIZE", "1"))
     pl.seed_everything(1234, verbose=False)
     strategy = dynatrain.DynaTrainStrategy(
         parallel=args.layout, switching={"verify_switches": True, "switch_budget_mb": 0.5},
-        elastic=None if args.static else {"timeout": args.timeout, "join_timeout": args.join_timeout},
+        elastic=None if args.static else {"timeout": args.timeout, "join_timeout": args.join_timeout,
+                                          **({"heartbeat": args.heartbeat} if args.heartbeat else {})},
     )
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     die = tuple(int(x) for x in args.die.split(":")) if args.die else None

@@ -1,0 +1,171 @@
+"""A generation's process group formed beside the current one, and made torch's default group at a boundary.
+
+torch keeps one default process group per process (`init_process_group` refuses a second), and every group made
+afterwards (`new_group`, a DeviceMesh's dimensions) meets its peers under the default group's store. But a group
+does not have to be the default one while it forms: its gloo or NCCL backend is an object built from a store, a
+rank and a size. So the next generation's group is built here, on a background thread while the current generation
+trains (the store rendezvous, gloo's full-mesh connect or NCCL's communicator set-up, and a first collective), and
+registered as the default group only at the boundary (`install`), in the place the current generation's groups held.
+Those are detached from torch's registry at that moment and shut down on a background thread (`retire`): no barrier
+and no wait inside the stall.
+
+The group is named and prefixed in the store exactly as `init_process_group` names a default group on a fresh
+process ("0", then the device), and torch's group counter is left where `init_process_group` leaves it, so every
+group made later on it has the same name on a member that swapped and on a process that formed the generation
+afresh. Only torch's private registry (`distributed_c10d._world` and the group-name table) is touched; its fields
+are the ones `init_process_group` and `destroy_process_group` themselves maintain.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+DEFAULT_NAME = "0"  # `init_process_group`'s name for the default group of a process with no group yet
+
+
+@dataclass
+class FormedGroup:
+    """A generation's group, connected and through its first collective, not yet registered with torch."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    store: Any  # the group's own prefix store, which groups made on it later rendezvous under
+    backend: str
+    config: str  # torch's string form of the backend per device
+    rank: int
+    size: int
+
+
+def _backend(name: str, store, rank: int, size: int, timeout: timedelta):
+    """(torch's backend type, the backend object) for one backend name, as `init_process_group` makes it."""
+    kind = dist.ProcessGroup.BackendType
+    if name == dist.Backend.GLOO:
+        impl = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        impl.options.global_ranks_in_group = []
+        impl.options.group_name = DEFAULT_NAME
+        out = kind.GLOO, impl
+    elif name == dist.Backend.NCCL:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        options.global_ranks_in_group = []
+        options.group_name = DEFAULT_NAME
+        out = kind.NCCL, dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        raise ValueError(f"a generation's group can be formed ahead with gloo or nccl, not {name!r}: pass "
+                         "backend='gloo', 'nccl' or 'cpu:gloo,cuda:nccl'")
+    out[1]._set_sequence_number_for_group()
+    return out
+
+
+def form_group(store, rank: int, size: int, backend: str, timeout: timedelta,
+               device_id: torch.device | None = None) -> FormedGroup:
+    """Build a generation's group on ``store`` (every member calls this with its own rank; it returns once all of
+    them connected) and run its first collective; nothing of torch's registry changes, so any thread may call it
+    while the current generation's groups train. ``device_id``: the CUDA device an NCCL group is bound to, which
+    creates its communicator now instead of at its first collective."""
+    config = c10d.BackendConfig(dist.Backend(backend))
+    devices = config.get_device_backend_map()
+    prefix = dist.PrefixStore(f"{DEFAULT_NAME}/", store)
+    group = dist.ProcessGroup(prefix, rank, size)
+    nccl = dist.Backend.NCCL in devices.values()
+    group._set_default_backend(dist.ProcessGroup.BackendType.NCCL if nccl else dist.ProcessGroup.BackendType.GLOO)
+    if device_id is not None:
+        group.bound_device_id = device_id
+        torch.cuda.set_device(device_id)  # this thread's current device, where the communicator is created
+    made: dict[str, tuple] = {}
+    for device, name in devices.items():
+        if name not in made:  # one backend serves every device that names it, under the first one's prefix
+            made[name] = _backend(name, dist.PrefixStore(f"{device}/", prefix), rank, size, timeout)
+        group._register_backend(torch.device(device), *made[name])
+    group._set_group_name(DEFAULT_NAME)
+    group._set_group_desc("default_pg")
+    if device_id is not None and group._get_backend(device_id).supports_splitting:
+        group._get_backend(device_id).eager_connect_single_device(device_id)
+    first_collective(group, device_id)
+    return FormedGroup(group, prefix, backend, str(config), rank, size)
+
+
+def first_collective(group, device_id: torch.device | None = None) -> None:
+    """One small all-reduce on each backend, so the first collective of training pays no lazy set-up."""
+    group.allreduce([torch.zeros(1)]).wait()
+    if device_id is not None:
+        group.allreduce([torch.zeros(1, device=device_id)]).wait()
+        torch.cuda.synchronize(device_id)
+
+
+def _detach(group) -> None:
+    """Remove ``group`` from torch's registry without ending it."""
+    world = c10d._world
+    name = world.pg_names.pop(group, None)
+    for table in (world.pg_map, world.pg_group_ranks, world.pg_backend_config, world.pg_coalesce_state):
+        table.pop(group, None)
+    tag = world.pg_to_tag.pop(group, None)
+    for key in {tag, ""} - {None}:
+        if group in world.tags_to_pg.get(key, []):
+            world.tags_to_pg[key].remove(group)
+    if name is not None:
+        c10d._unregister_process_group(name)
+
+
+def detach_all() -> list:
+    """Every group of this process's current generation, removed from torch's registry but not ended (see
+    `retire`); torch then has no default group, as after `destroy_process_group`."""
+    world = c10d._world
+    old = list(world.pg_names)
+    for group in old:
+        _detach(group)
+    c10d._update_default_pg(None)
+    world.group_count = 0  # as `destroy_process_group` leaves it: later groups are named alike on every member
+    return old
+
+
+def install(formed: FormedGroup) -> list:
+    """Make ``formed`` torch's default group; returns the groups of the generation it replaces, detached from
+    torch's registry but not ended (see `retire`). Call it on the main thread, at a boundary, with no collective of
+    the current generation in flight."""
+    world = c10d._world
+    old = detach_all()
+    name = c10d._process_group_name([], use_hashed_name=False)
+    group = formed.group
+    world.pg_map[group] = (dist.Backend(formed.backend), formed.store)
+    world.pg_names[group] = name
+    world.pg_backend_config[group] = formed.config
+    c10d._register_process_group(name, group)
+    world.tags_to_pg.setdefault("", []).append(group)
+    world.tags_to_pg.setdefault(f"ptd:{name}", []).append(group)
+    world.pg_to_tag[group] = f"ptd:{name}"
+    c10d._update_default_pg(group)
+    world.pg_group_ranks[group] = {i: i for i in range(formed.size)}
+    return old
+
+
+_retired: list = []  # ended groups stay referenced: their destructors then never run inside a step or the stall
+
+
+def retire(groups: list, wait: bool = False) -> threading.Thread | None:
+    """End a replaced generation's groups on a background thread (``wait``: here), each member alone: nothing of
+    it is used any more, and a peer that left already has closed its side."""
+    if not groups:
+        return None
+    _retired.extend(groups)
+
+    def end() -> None:
+        for group in reversed(groups):  # subgroups first, the default group last, as torch ends them
+            try:
+                group.shutdown()
+            except RuntimeError:
+                pass  # a backend a peer's exit already broke is ended as far as this process is concerned
+
+    if wait:
+        end()
+        return None
+    thread = threading.Thread(target=end, name="dynatrain-retire-world", daemon=True)
+    thread.start()
+    return thread
