@@ -4,8 +4,9 @@ torch keeps one default process group per process (`init_process_group` refuses 
 afterwards (`new_group`, a DeviceMesh's dimensions) meets its peers under the default group's store. But a group
 does not have to be the default one while it forms: its gloo or NCCL backend is an object built from a store, a
 rank and a size. So the next generation's group is built here, on a background thread while the current generation
-trains (the store rendezvous, gloo's full-mesh connect or NCCL's communicator set-up, and a first collective), and
-registered as the default group only at the boundary (`install`), in the place the current generation's groups held.
+trains (the store rendezvous; gloo's full-mesh connect and a first collective, NCCL's eager communicator set-up),
+and registered as the default group only at the boundary (`install`), in the place the current generation's groups
+held.
 Those are detached from torch's registry at that moment and shut down on a background thread (`retire`): no barrier
 and no wait inside the stall.
 
@@ -88,16 +89,16 @@ def form_group(store, rank: int, size: int, backend: str, timeout: timedelta,
     group._set_group_desc("default_pg")
     if device_id is not None and group._get_backend(device_id).supports_splitting:
         group._get_backend(device_id).eager_connect_single_device(device_id)
-    first_collective(group, device_id)
+    first_collective(group, devices)
     return FormedGroup(group, prefix, backend, str(config), rank, size)
 
 
-def first_collective(group, device_id: torch.device | None = None) -> None:
-    """One small all-reduce on each backend, so the first collective of training pays no lazy set-up."""
-    group.allreduce([torch.zeros(1)]).wait()
-    if device_id is not None:
-        group.allreduce([torch.zeros(1, device=device_id)]).wait()
-        torch.cuda.synchronize(device_id)
+def first_collective(group, devices: dict[str, str]) -> None:
+    """One small all-reduce on the gloo backend, which connects every pair; an NCCL communicator is set up by its
+    eager, device-bound initialisation instead. Its first collective waits for the main thread: two NCCL
+    communicators whose kernels run concurrently on one device, in orders that differ between ranks, can deadlock."""
+    if devices.get("cpu") == dist.Backend.GLOO:
+        group.allreduce([torch.zeros(1)]).wait()
 
 
 def _detach(group) -> None:
