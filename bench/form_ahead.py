@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     import tempfile
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         token = os.urandom(8).hex()
         handle = start_store(token, Path(tmp), timeout=60)
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
             handle.stop()
     result = {"command": "python bench/form_ahead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "processes": args.processes, "repeats": args.repeats, "backend": "gloo", "allreduces": args.allreduces,
-              "machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "rows": rows,
+              "machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
+              "load_average_before_after": [load_before, os.getloadavg()], "rows": rows,
               "summary": summary(rows)}
     print(json.dumps(result["summary"], indent=2))
     if args.json:
