@@ -190,10 +190,16 @@ class StallPrediction:
         """Formation, build and plan done while the old world trains: the stall keeps the bytes and their check."""
         return self.transfer + self.check
 
+    @property
+    def as_built(self) -> float:
+        """What dynatrain does ahead today: the world and the plan; the mesh's and control groups and the build
+        stay at the boundary."""
+        return self.in_stall - self.world - self.plan
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["communicators"] = list(self.communicators)
-        out.update(formation=self.formation, in_stall=self.in_stall, ahead=self.ahead)
+        out.update(formation=self.formation, in_stall=self.in_stall, ahead=self.ahead, as_built=self.as_built)
         return out
 
 
