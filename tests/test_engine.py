@@ -79,6 +79,57 @@ def test_preallocated_destinations_receive_the_bytes_and_count_from_the_start():
     assert stats.peak_bytes == stats.src_bytes + stats.dst_bytes  # all of them live before the first copy
 
 
+def test_a_source_something_else_still_holds_loses_its_bytes_after_its_last_use():
+    """A live module's reference cycles hold its shards until a full garbage collection: the engine gives their
+    memory back itself, and keeps the storage of a source it adopted as its destination."""
+    plan = _one_process_plan()
+    src = {s.name: fill_local(plan.old, s.name, 0, seed=9) for s in plan.old.states}
+    held = dict(src)  # the stand-in for the module's cycles
+    want = {name: t.clone() for name, t in src.items()}
+    dst, _ = run_transition(plan, 0, src, keep_in_place=False)
+    for name, t in want.items():
+        assert torch.equal(dst[name], t)
+        assert held[name].untyped_storage().nbytes() == 0, name
+    src = {name: t.clone() for name, t in want.items()}
+    held = dict(src)
+    dst, _ = run_transition(plan, 0, src)  # every state kept in place
+    assert all(dst[name] is t and t.untyped_storage().nbytes() for name, t in held.items())
+    assert all(torch.equal(dst[name], t) for name, t in want.items())
+
+
+def test_a_storage_several_sources_share_is_emptied_after_the_last_of_them(monkeypatch):
+    """FSDP2's shards are views of a padded buffer, and a module may lay several states in one buffer: the memory
+    goes once no source on it is left to read, never while one is."""
+    from engine_worker import on_one_storage
+
+    plan = _one_process_plan()
+    want = {s.name: fill_local(plan.old, s.name, 0, seed=10) for s in plan.old.states}
+    flat, src = on_one_storage(want)
+    seen = []
+    free_source = _RankTransition._free_source
+
+    def recording(self, name):
+        free_source(self, name)
+        seen.append((len(self.src), flat.untyped_storage().nbytes()))
+
+    monkeypatch.setattr(_RankTransition, "_free_source", recording)
+    dst, _ = run_transition(plan, 0, src, keep_in_place=False)
+    assert all(torch.equal(dst[name], t) for name, t in want.items())
+    assert len(seen) == len(want) and seen[-1] == (0, 0)
+    assert all(nbytes == flat.numel() for _, nbytes in seen[:-1])
+    # A destination on the sources' storage (here the sources themselves, written in place) keeps it, and so does
+    # an entry the plan does not read, which stays with the caller.
+    flat, src = on_one_storage(want)
+    dst, _ = run_transition(plan, 0, src, keep_in_place=False, preallocated=dict(src))
+    assert flat.untyped_storage().nbytes() == flat.numel()
+    assert all(torch.equal(dst[name], t) for name, t in want.items())
+    flat, src = on_one_storage(want)
+    src["not in the plan"] = flat[:4]
+    dst, _ = run_transition(plan, 0, src, keep_in_place=False)
+    assert list(src) == ["not in the plan"] and flat.untyped_storage().nbytes() == flat.numel()
+    assert all(torch.equal(dst[name], t) for name, t in want.items())
+
+
 def test_a_preallocated_tensor_that_does_not_fit_is_refused_by_name():
     plan = _one_process_plan()
     src = lambda: {s.name: fill_local(plan.old, s.name, 0, seed=7) for s in plan.old.states}  # noqa: E731
@@ -183,16 +234,19 @@ def test_the_phases_count_as_kept_exactly_the_states_the_engine_keeps(model, old
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nprocs,cases,direct_min,ahead,streamed", [
-    (2, 6, None, False, False), (3, 6, None, False, False), (4, 6, None, True, False), (2, 6, 1, False, False),
-    (3, 6, 1, False, False), (3, 6, 1, False, True)],
-    ids=["2", "3", "4-joiners-ahead", "2-in-place", "3-in-place", "3-in-place-streamed"])
-def test_engine_random_switches(tmp_path, nprocs, cases, direct_min, ahead, streamed):
+@pytest.mark.parametrize("nprocs,cases,direct_min,ahead,streamed,one_storage", [
+    (2, 6, None, False, False, False), (3, 6, None, False, False, False), (4, 6, None, True, False, False),
+    (2, 6, 1, False, False, False), (3, 6, 1, False, False, False), (3, 6, 1, False, True, False),
+    (3, 8, 1, False, False, True)],
+    ids=["2", "3", "4-joiners-ahead", "2-in-place", "3-in-place", "3-in-place-streamed", "3-one-storage"])
+def test_engine_random_switches(tmp_path, nprocs, cases, direct_min, ahead, streamed, one_storage):
     """With ``direct_min`` 1 every piece that is contiguous on one side is sent or received in place there. With
     ``ahead`` a process that holds no sources receives into destinations it allocated before the transfer. With
-    ``streamed`` each send is posted as soon as it is packed and each receive unpacked as soon as it arrives."""
+    ``streamed`` each send is posted as soon as it is packed and each receive unpacked as soon as it arrives. Every
+    source is also held outside the engine, and its storage must be emptied all the same unless it was adopted as a
+    destination; with ``one_storage`` a process's sources are views of one buffer, emptied only when none was."""
     extra = ([] if direct_min is None else ["--direct-min", str(direct_min)]) + (["--joiners-ahead"] if ahead else [])
-    extra += ["--streamed"] if streamed else []
+    extra += (["--streamed"] if streamed else []) + (["--one-storage"] if one_storage else [])
     out = launch("engine_worker.py", nprocs, ["--cases", str(cases), "--seed", "1", *extra], tmp_path, timeout=100)
     multi_round = 0
     moved = 0
@@ -226,6 +280,9 @@ def test_engine_random_switches(tmp_path, nprocs, cases, direct_min, ahead, stre
     assert moved > 0
     assert (in_place > 0) == (direct_min is not None)  # these tiny states are all below the default threshold
     assert (received_ahead > 0) == ahead, "some case should scale out, its joiners receiving into tensors made ahead"
+    if one_storage:  # both ways: a buffer emptied after its last source, and one a kept state holds on to
+        ends = {res["one_storage"] for r in out for res in r["results"] if "one_storage" in res}
+        assert ends == {"kept", "emptied"}, ends
 
 
 def test_the_wire_sees_a_box_as_contiguous_exactly_when_torch_does():

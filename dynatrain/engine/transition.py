@@ -21,9 +21,10 @@ order; the planner sorts them largest itemsize first, so a piece starts at a mul
 the receiver views the bytes as the piece's dtype without a copy. Mixed dtypes in one message are fine.
 
 Memory: live bytes = live sources + live destinations + staging, tracked at every allocation and free and
-returned as ``peak_bytes``. Sources are dropped from the caller's dict (the engine takes ownership), so the
-memory really goes back to the allocator when the caller holds no other reference. On CUDA the bound is kept for
-the caching allocator's reserved bytes too, and its peaks are reported (`engine.device_memory`).
+returned as ``peak_bytes``. Sources are dropped from the caller's dict (the engine takes ownership) and their
+storage emptied after their last use (`engine.storages`), so the memory goes back to the allocator even while
+something else (a module's reference cycles) still holds the tensor object. On CUDA the bound is kept for the
+caching allocator's reserved bytes too, and its peaks are reported (`engine.device_memory`).
 
 Nothing here knows the device: CPU tensors with gloo, CUDA tensors with NCCL (CUDA phases are synchronised
 for timing only).
@@ -60,6 +61,7 @@ from dynatrain.engine.device_memory import DeviceMemory
 from dynatrain.engine.local_copies import copy_order, states_kept_in_place
 from dynatrain.engine.rounds import Round
 from dynatrain.engine.stats import LiveBytes, TransitionStats
+from dynatrain.engine.storages import SourceStorages
 from dynatrain.engine.wire import WireOp, box_view, in_place, round_slots, split_message
 from dynatrain.planner.schedule import SwitchPlan
 
@@ -83,7 +85,9 @@ def run_transition(
 
     ``src``: state name -> old local tensor of this process (shape ``plan.old.shards(name, rank).local_shape``,
     the layout's dtype). The engine **consumes** it: each entry is popped as soon as its last piece is packed
-    or copied (pass a copy of the dict to keep your references, at the cost of the memory bound).
+    or copied, and its storage emptied unless a source still to be read or a destination lies on it too: any
+    other reference to the tensor then holds one without bytes, which must not be read (clone what must outlive
+    the call).
     ``group``: the process group every process of the plan belongs to (default: the world).
     ``group_ranks``: plan process id -> rank in ``group`` (mapping, sequence or callable); default identity.
     ``device``: where destinations and the staging buffer live; default the device of the sources (CPU for a
@@ -227,6 +231,7 @@ class _RankTransition:
         # From here the bound holds for the allocator's reserved bytes too (a GPU's cache of freed blocks): measured
         # while every source is still held, so what the switch may add beyond them is the bound less the live bytes.
         self.device_memory = DeviceMemory(self.device, self.stats.peak_bound - self.live.now)
+        self.storages = SourceStorages(self.src, self.src_shards, self.dst.values())
         for name in [n for n, c in self.uses.items() if c == 0]:
             self._free_source(name)  # nothing (more) reads it
         self.device_memory.make_room(size)
@@ -406,8 +411,10 @@ class _RankTransition:
     # ---- memory ---------------------------------------------------------------------------------------------
     def _free_source(self, name: str) -> None:
         t = self.src.pop(name, None)
-        if t is not None and name not in self.kept:
-            self.live.sub(t.numel() * t.element_size())
+        if t is not None:
+            if name not in self.kept:
+                self.live.sub(t.numel() * t.element_size())
+            self.storages.done(name, t)
         del t
 
     def _get_dst(self, name: str) -> torch.Tensor:

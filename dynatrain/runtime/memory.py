@@ -1,14 +1,15 @@
 """Process memory around a switch: cheap cycle collections and freed heap given back to the OS when it piles up.
 
-A switch must collect the old model's reference cycles (FSDP state and modules point at each other) before the
-engine allocates new shards, so it runs full collections. A full collection scans every tracked object, and the
-imports of torch, Lightning and W&B leave about 420,000 of them: 0.2 s per collection on a 2-core machine, three
-or four times per world change. Those objects live as long as the process, so they are moved out of the
-collector's sight once (``gc.freeze``, `freeze_import_time_objects`); collections then scan only what training
-created. Importing dynatrain does not do it (importing changes nothing beyond registering the strategy): its entry
-points do, after their imports and before any model exists (`dynatrain fit|validate|test|join`, `dynatrain plan`,
-and the zygote that forks the ranks of `launcher.launch_local(preload=...)`); a training script of your own calls it
-after its imports.
+A world change runs full collections: the old world's dead DTensors and pending work must go before its process
+group is ended (`elastic.world`); so does a recovery, whose broken world's groups must lose their last reference at
+once. The old model's shards need none: the engine empties each one's storage after its last use, though FSDP's
+reference cycles still hold the tensor objects (`engine.storages`). A full collection scans every tracked object,
+and the imports of torch, Lightning and W&B leave about 420,000 of them: 0.2 s per collection on a 2-core machine.
+Those objects live as long as the process, so they are moved out of the collector's sight once (``gc.freeze``,
+`freeze_import_time_objects`); collections then scan only what training created. Importing dynatrain does not do it
+(importing changes nothing beyond registering the strategy): its entry points do, after their imports and before any
+model exists (`dynatrain fit|validate|test|join`, `dynatrain plan`, and the zygote that forks the ranks of
+`launcher.launch_local(preload=...)`); a training script of your own calls it after its imports.
 
 A training process on CPU also pays for how glibc's malloc serves PyTorch's large blocks (`heap_env`): without the
 settings below, a `125m` step on 2 processes maps about 250,000 fresh pages (a gigabyte) and spends 38 % of its CPU
@@ -131,8 +132,8 @@ def trim_heap() -> None:
 # and the datamodule, about 444,000 objects are tracked and one full gc.collect() took 0.14 to 0.20 s (median
 # 0.15 to 0.16 s over 3 processes of 7 collections each, Python 3.11, 2 cores, load 1.3); after gc.freeze() the
 # same collection took 0.2 microseconds (nothing else alive yet).
-# A world change runs three or four full collections, so without the freeze it stalls every process 0.45 to 0.6 s
-# more; docs/benchmarks.md records the online stalls that fell when the freeze came in.
+# A world change then ran three or four full collections, so without the freeze it stalled every process 0.45 to
+# 0.6 s more; docs/benchmarks.md records the online stalls that fell when the freeze came in.
 _frozen = False  # this process froze once: objects made since (a model, a Trainer) may become garbage
 
 
@@ -161,10 +162,11 @@ def release_freed_memory(before: int | None = None) -> bool:
     """Collect what the switch left in cycles and, when the switch left the process larger than any footprint it
     had, give the heap back to the OS. ``before``: RSS when the switch started (`resident_bytes`).
 
-    The old model's cycles went at the release, in a full collection (the engine could not free a shard the module
-    graph still held); what became garbage since is young, so the two younger generations are collected here
-    instead of walking every object the process holds a second time (a full collection costs 20 to 100 ms of the
-    stall on 2 cores; an old object that still escapes goes at the next full collection).
+    The old model's shards went in the transfer (the engine empties their storage); what is left of it is small
+    objects in reference cycles, old ones, left to the next full collection (a world change's end of a generation
+    runs one). What became garbage during the switch is young, so the two younger generations are collected here
+    instead of walking every object the process holds (a full collection costs 20 to 100 ms of the stall on 2
+    cores).
 
     glibc keeps freed memory, and over hundreds of switches the fragments of old shards make RSS creep up.
     Trimming bounds that, but it also returns the memory a step works in, which the heap keeps mapped between

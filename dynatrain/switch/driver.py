@@ -135,11 +135,12 @@ class Stages:
         self.timer.lap("build")
 
     def release(self) -> None:
-        """The old shards go to the engine, which frees each after its last send."""
+        """The old shards go to the engine, which empties each one's storage after its last send whoever still holds
+        the tensor, so the old module's reference cycles (FSDP2's modules, states and parameters) are left to
+        Python's collector instead of a full collection in the stall."""
         if self.names is None:
             self.names = release(self.ctx, self.held)
         self.held = None
-        gc.collect()
         self.timer.lap("release")
 
     # ---- the move ---------------------------------------------------------------------------------------------

@@ -97,8 +97,11 @@ def keep(ctx: SwitchContext, captured: Captured, module: nn.Module, optimizer) -
 
 
 def release(ctx: SwitchContext, held: Held) -> list[str]:
-    """Drop every reference to the old shards but the engine's, so it can free each after its last send; returns
-    the names of the module's children the target replaces."""
+    """Drop the live module's and optimizer's hold on the old shards (the engine empties each shard's storage after
+    its last send) and on the last step's gradients; returns the names of the module's children the target
+    replaces."""
+    for p in held.module.parameters():
+        p.grad = None  # as large as the weights and no source of the engine's: the module's cycles would keep them
     optimizer = held.optimizer
     if optimizer is not None:
         optimizer.state.clear()

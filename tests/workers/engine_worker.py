@@ -106,6 +106,34 @@ def fill_local(layout: Layout, name: str, pid: int, seed: int) -> torch.Tensor:
 expected_local = fill_local
 
 
+def on_one_storage(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The same tensors as views of one buffer (a module's flat parameters, FSDP2's padded shards), each at a 16-byte
+    offset; returns (the buffer, the views)."""
+    offsets, size = {}, 0
+    for name, t in tensors.items():
+        offsets[name] = size
+        size += -(-t.numel() * t.element_size() // 16) * 16
+    flat = torch.empty(size, dtype=torch.uint8)
+    views = {}
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        views[name] = flat[offsets[name]:offsets[name] + nbytes].view(t.dtype).view(t.shape)
+        views[name].copy_(t)
+    return flat, views
+
+
+def freed_as_expected(held: dict[str, torch.Tensor], flat: torch.Tensor | None, dst: dict) -> list[str]:
+    """What the engine left allocated that it should have emptied, or emptied that a destination still uses. A source
+    adopted as its destination keeps its storage; any other is emptied, though ``held`` still references it; on one
+    shared storage, the storage is emptied only when no state on it was adopted."""
+    kept = {name for name, t in held.items() if dst.get(name) is t}
+    if flat is not None:
+        emptied = flat.untyped_storage().nbytes() == 0
+        return [] if emptied != bool(kept) else [f"shared storage {'emptied' if emptied else 'kept'}, kept {kept}"]
+    return [f"{name} storage {'kept' if t.untyped_storage().nbytes() else 'emptied'}" for name, t in held.items()
+            if t.numel() and (t.untyped_storage().nbytes() == 0) == (name in kept)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -115,6 +143,7 @@ def main() -> None:
     ap.add_argument("--streamed", action="store_true", help="each send posted as soon as it is packed")
     ap.add_argument("--joiners-ahead", action="store_true",
                     help="a process without sources allocates its destinations before the transfer")
+    ap.add_argument("--one-storage", action="store_true", help="a process's sources are views of one buffer")
     args = ap.parse_args()
     if args.direct_min is not None:
         wire.DIRECT_MIN_BYTES = args.direct_min
@@ -131,6 +160,10 @@ def main() -> None:
         if pid in plan.processes:
             src = {name: fill_local(plan.old, name, pid, case["seed"]) for name in case["names"]
                    if plan.old.position_of(pid) is not None}
+            flat = None
+            if args.one_storage and any(t.numel() for t in src.values()):
+                flat, src = on_one_storage(src)
+            held = dict(src)  # what a live module's reference cycles would still hold
             ready = allocate_destinations(plan, pid) if args.joiners_ahead and not src else {}
             ptrs = {name: t.data_ptr() for name, t in ready.items()}
             dst, stats = run_transition(plan, pid, src, group_ranks=rank_of_pid, preallocated=ready,
@@ -138,8 +171,13 @@ def main() -> None:
             assert not src, "the engine must consume every source"
             res["ahead"] = len(ptrs)
             res["received_in_place_ahead"] = all(dst[name].data_ptr() == ptr for name, ptr in ptrs.items())
+            freed = freed_as_expected(held, flat, dst)  # first: reading an emptied destination would crash
+            res["ok"] = not freed
+            res["errors"] += freed
+            if flat is not None:
+                res["one_storage"] = "kept" if flat.untyped_storage().nbytes() else "emptied"
             if plan.new.position_of(pid) is not None:
-                for name in case["names"]:
+                for name in case["names"] if not freed else []:
                     want = expected_local(plan.new, name, pid, case["seed"])
                     got = dst.get(name)
                     if got is None or got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
@@ -159,7 +197,7 @@ def main() -> None:
                 [t.numel() * t.element_size() for t in dst.values()]
                 + [plan.old.shards(n, pid).numel * plan.old.state(n).itemsize
                    for n in case["names"] if plan.old.position_of(pid) is not None], default=0)
-            del dst, src
+            del dst, src, held, flat
         results.append(res)
     gc.collect()
     dist.barrier()
