@@ -19,6 +19,7 @@ benchmark's instrumented copy). Every rank runs the same stages on the same inpu
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -216,8 +217,20 @@ class Stages:
 
 
 def run(ctx: SwitchContext, move: Move, transfer: Transfer = engine.run_transition) -> SwitchReport | None:
-    """A switch of a process that holds a module: every stage, now."""
-    return move.run(Stages(ctx, transfer))
+    """A switch of a process that holds a module: every stage, now. The cycle collector waits for its end: the old
+    module's objects are garbage from the release on, and the build allocates enough objects to start a full
+    collection of them inside the stall. After it one collection runs on a thread of its own, mostly while the
+    next step's operators hold no interpreter lock."""
+    enabled, report = gc.isenabled(), None
+    gc.disable()
+    try:
+        report = move.run(Stages(ctx, transfer))
+        return report
+    finally:
+        if enabled:
+            gc.enable()
+            if report is not None and report.world_size:  # not on a process that left, which soon exits
+                threading.Thread(target=gc.collect, name="dynatrain-collect-old-layout", daemon=True).start()
 
 
 def switch_stages(ctx: SwitchContext, move, transfer: Transfer = engine.run_transition) -> Generator:
