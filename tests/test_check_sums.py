@@ -451,6 +451,8 @@ def test_same_state_in_other_layouts_and_mutations(tmp_path):
 
     results = launch(str(Path(__file__).resolve()), 4, [], tmp_path, timeout=120)
     for r in results:
+        gathered, reduced = r["sum_ints"]
+        assert gathered == reduced == [6, 6, -10, 6], gathered
         assert r["index_problems"] == [], r["index_problems"][:5]
         assert r["strided"], "no parameter of the FSDP2 + TP model carried a _StridedShard"
         assert r["uneven"], "no shard of the FSDP2 + TP model was smaller than another"
@@ -635,6 +637,9 @@ def worker(out: str) -> None:
                                                                      state_sums.reduce))
     rank = dist.get_rank()
     result: dict = {"rank": rank, "equal": {}, "replication": {}}
+    # The check's sums, gathered and summed on each rank, wrap as the all-reduce does.
+    values = [rank, (1 << 62) + rank, -(rank + 1), -(1 << 63) + rank]
+    result["sum_ints"] = [control_group.sum_ints(values, group), control_group.all_reduce_ints(values, group)]
 
     def replication(sums: StateSums) -> dict[str, int]:
         s = reduce(sums)

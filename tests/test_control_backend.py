@@ -23,6 +23,7 @@ def test_training_groups_take_the_device_backend_and_a_named_one_is_kept():
 def test_the_control_channel_without_a_world_returns_this_process_values():
     assert control_group.new_control_group() is None
     assert control_group.all_reduce_ints([3, -4], None) == [3, -4]
+    assert control_group.sum_ints([3, -4], None) == [3, -4]
     assert control_group.all_reduce_floats([0.5], None) == [0.5]
     assert control_group.all_gather_ints([1, 2], None) == [[1, 2]]
     assert control_group.all_gather_object({"a": (1, "x")}, None) == [{"a": (1, "x")}]

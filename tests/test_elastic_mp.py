@@ -178,6 +178,19 @@ def test_a_preempted_process_leaves_before_it_dies(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_byte_a_joiner_received_flipped_is_named_by_every_process(tmp_path):
+    """Where every member stays, the sums of before are not reduced on the old world: the members' sums and what
+    every process received meet in the check's one all-reduce on the new world, so a flipped byte is still named."""
+    members, joiners = launch_elastic("elastic.py", 2, ["--layout", "dp_shard=2", "--steps", "4", "--switches",
+                                                        "2:dp_shard=3", "--hold-for-joiner", "2"],
+                                      tmp_path, joiners=[["--corrupt-received"]], timeout=240)
+    errors = {p["check_error"] for p in members + joiners}
+    assert len(errors) == 1, errors  # the same verdict on every process
+    error = errors.pop()
+    assert "dp_shard=2 -> dp_shard=3 changed 1 state(s)" in error and "wq.weight: values differ" in error, error
+
+
+@pytest.mark.timeout(300)
 def test_a_switch_within_the_world_after_a_joiner_came_builds_alike_on_members_and_joiner(tmp_path):
     # The members built tp=2 in the first world; the joiner never did. At the last request every rank must take the
     # same branch (a build on the real mesh creates groups, and the arrangement's weights are agreed collectively).

@@ -18,6 +18,14 @@ def test_a_transfer_planned_from_a_wrong_rank_map_is_caught_and_named(tmp_path):
     assert len({res["outcome"]["error"] for res in wrong}) == 1  # every rank names the same states
 
 
+def test_one_flipped_byte_of_a_received_piece_is_caught_and_named(tmp_path):
+    corrupt = launch("mutation.py", 4, ["--corrupt"], tmp_path / "corrupt")
+    for res in corrupt:
+        error = res["outcome"]["error"]
+        assert "changed 1 state(s)" in error and "wq.weight: values differ" in error, error
+    assert len({res["outcome"]["error"] for res in corrupt}) == 1
+
+
 def test_the_real_plan_passes_the_same_check(tmp_path):
     right = launch("mutation.py", 4, [], tmp_path / "right")
     for res in right:

@@ -12,7 +12,8 @@ units, ``a`` and ``b`` the odd weights of `dynatrain.check.hash_weights`: bytes 
 inner sum over a hash row is a matrix product, the one place where the bytes are read.
 
 Hashing is the whole cost of the check (its all-reduce carries 6 int64 per state): the bytes are read once, by int8
-matrix products on a CPU; about 0.03 ms of fixed cost per state. `bench/check_speed.py` measures the seconds per
+matrix products on a CPU; about 0.03 ms of fixed cost per state, about 0.01 ms per piece of a switch (`PieceSums`:
+one matrix product each, their rows weighed together). `bench/check_speed.py` measures the seconds per
 GiB on a machine (docs/benchmarks.md, "The check's hash"). On a GPU the elementwise way runs in parts of 4 Mi units
 (`bounded_parts`: at most 256 MiB of temporaries, whatever the state's size) with one host transfer per
 `PieceSums` (bench/gpu_check/hash_cost.py measures it).
@@ -26,6 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
+from dynatrain.check import hash_weights
 from dynatrain.check.hash_weights import DIGITS, ROW, int_mm_exact, row_weight, row_weights, weights
 from dynatrain.check.int64 import wrap64
 from dynatrain.check.placement import Index
@@ -45,6 +47,7 @@ _TEMP_PER_UNIT = 64
 _CHUNK_ACCELERATOR = _DEVICE_TEMP_BYTES // _TEMP_PER_UNIT
 _THREADED_BYTES = 8 << 20  # below this a tensor is hashed on the calling thread alone
 _POOL: dict = {}  # "pool": the process's hashing threads, as (pid, size, pool)
+_SPLITS: dict = {}  # a unit shape -> `_hash_split` of it
 
 
 def indexed_checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]) -> int:
@@ -69,6 +72,19 @@ def indexed_checksum(local: torch.Tensor, indices: Sequence[Index], shape: Seque
     an oversubscribed host costs a time slice). Allocates one index per tensor row, never one per element."""
     with _serial() as threads:
         return wrap64(int(_checksum(local, indices, shape, threads).item()))
+
+
+def warm_up() -> None:
+    """The once-a-process set-up of the hash, done now, outside a switch's stall: the probe of `torch._int_mm`, a
+    CPU's weight tables, and a first run of the calls a switch's check makes (a first call of some costs
+    milliseconds)."""
+    hash_weights.warm_up()
+    for unit in _SPREAD:
+        weights(unit, torch.device("cpu"), int_mm_exact())
+    with PieceSums(1) as sums:
+        for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float64):
+            sums.add(0, torch.zeros(2, 3, dtype=dtype), [range(2), range(3)], (2, 3))
+        sums.totals()
 
 
 @contextmanager
@@ -183,11 +199,17 @@ def bounded_parts(local: torch.Tensor, indices: list[Index], limit: int, d: int 
 class PieceSums:
     """Checksums of pieces (any boxes of the states' local tensors) added up per state, kept on their device until
     `totals` reads them all at once: on a GPU, reading each piece's sum as it is made would wait for the device
-    once per box. Use as a context (torch held at one intra-op thread inside, as `indexed_checksum` does)."""
+    once per box. Use as a context (torch held at one intra-op thread inside, as `indexed_checksum` does).
+
+    A piece on a CPU below `_THREADED_BYTES` whose tensor rows each fit one hash row (the boxes a switch moves) is
+    read by one int8 matrix product as it is added, leaving its rows' digit sums; `totals` weighs every row of every
+    piece by ``a(R')`` at once. The sum is `indexed_checksum`'s, unit for unit: what this saves is the dozen small
+    torch calls (row weights, products, sums) per piece that dominate the check of a switch of many small states."""
 
     def __init__(self, n: int) -> None:
         self.n = n
         self._pending: list[tuple[int, torch.Tensor]] = []
+        self._rows: list[tuple[int, torch.Tensor, Index]] = []  # (state, per row its digit sums, its hash rows)
         self._serial = _serial()
         self.threads = 1
 
@@ -200,17 +222,86 @@ class PieceSums:
 
     def add(self, i: int, local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]) -> None:
         """Add the checksum of ``local`` (entries at ``indices`` of a tensor of ``shape``) to state ``i``.
-        ValueError: a dtype whose bits have no integer view."""
+        ValueError: a dtype whose bits have no integer view, or indices that do not fit ``local``'s shape."""
         if local.element_size() not in _BITS:
             raise ValueError(f"dtype {local.dtype}: no integer view of its bits")
-        self._pending.append((i, _checksum(local, indices, shape, self.threads)))
+        if (tuple(local.shape) or (1,)) != (tuple(map(len, indices)) or (1,)):
+            raise ValueError(f"a local box of shape {tuple(local.shape)} at indices of lengths "
+                             f"{[len(ix) for ix in indices]}")
+        rows = _digit_sums(local, indices, shape)
+        if rows is not None:
+            self._rows.append((i, *rows))
+        else:
+            self._pending.append((i, _checksum(local, indices, shape, self.threads)))
 
     def totals(self) -> list[int]:
         """Per state, its pieces' sum modulo 2**64 (signed): one host transfer per device."""
         out = [0] * self.n
-        for i, value in _to_host(self._pending):
+        for i, value in _to_host(self._pending) + _weighed(self._rows, self.n):
             out[i] += value
         return [wrap64(x) for x in out]
+
+
+def _digit_sums(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]):
+    """(per row of ``local``'s unit matrix, the 9 digit sums of its units times their column weights, int32; its
+    hash rows) by one int8 matrix product, or None where `_checksum` reads it: off a CPU, where `torch._int_mm` is
+    not exact, a piece big enough for several threads, a tensor row longer than a hash row."""
+    size, n = local.element_size(), local.numel()
+    if local.device.type != "cpu" or n == 0 or n * size >= _THREADED_BYTES or not int_mm_exact():
+        return None
+    if not shape:
+        local, indices, shape = local.reshape(1), [range(1)], (1,)
+    per, unit = (2, 4) if size == 8 else (1, size)
+    units = (*shape[:-1], shape[-1] * per)
+    t = _SPLITS.get(units, -1)
+    if t == -1:
+        if len(_SPLITS) >= 4096:
+            _SPLITS.clear()
+        t = _SPLITS[units] = _hash_split(units)
+    if t is None:
+        return None
+    last = indices[-1] if per == 1 else _units(indices[-1], per)
+    cols = last if t == len(units) - 1 else _flat([*indices[t:-1], last], units[t:])
+    rows = indices[0] if t == 1 else _flat(indices[:t], units[:t])
+    if local.stride(-1) != 1:  # the bytes of a row must be adjacent for the int8 view
+        local = local.contiguous()
+    x = local.detach().view(torch.int8)
+    if x.dim() != 2 or t != 1:
+        x = x.reshape(len(rows), len(cols) * unit)
+    digits = weights(unit, local.device, True)[1]
+    if isinstance(cols, range):
+        return torch._int_mm(x, digits[cols.start * unit:cols.stop * unit]), rows
+    # Columns apart (a box of merged trailing dimensions, a strided shard of the last): their bytes' digits gathered.
+    return torch._int_mm(x, digits.view(ROW, unit * DIGITS).index_select(0, cols).view(-1, DIGITS)), rows
+
+
+def _hash_split(shape: tuple[int, ...]) -> int | None:
+    """How many leading dimensions of a unit ``shape`` index its hash rows (the trailing ones merged while they fit
+    one hash row, as `_checksum` cuts it); None where a tensor row spans several hash rows."""
+    t, width = len(shape), 1
+    while t > 0 and width * shape[t - 1] <= ROW:
+        t, width = t - 1, width * shape[t - 1]
+    return None if t == len(shape) else t
+
+
+def _weighed(rows: list[tuple[int, torch.Tensor, Index]], n: int) -> list[tuple[int, int]]:
+    """(state, sum) of `_digit_sums`' rows, each weighed by its hash row's ``a(R')``: one pass over all of them."""
+    if not rows:
+        return []
+    powers = weights(1, rows[0][1].device, True)[2]
+    z = torch.cat([d for _, d, _ in rows]).to(torch.int64).mul_(powers).sum(1)
+    counts = [len(r) for _, _, r in rows]
+    if all(isinstance(r, range) for _, _, r in rows):  # every piece's rows a run: one arange for them all
+        starts = torch.tensor([r.start for _, _, r in rows], dtype=torch.int64)
+        lengths = torch.tensor(counts, dtype=torch.int64)
+        index = torch.arange(len(z), dtype=torch.int64) + (starts - lengths.cumsum(0) + lengths).repeat_interleave(
+            lengths, output_size=len(z))
+    else:
+        index = torch.cat([_as_tensor(r, None) for _, _, r in rows])
+    states = torch.tensor([i for i, _, _ in rows], dtype=torch.int64).repeat_interleave(
+        torch.tensor(counts, dtype=torch.int64), output_size=len(z))
+    sums = torch.zeros(n, dtype=torch.int64).index_add_(0, states, z.mul_(row_weights(index)))
+    return list(enumerate(sums.tolist()))
 
 
 def _to_host(pending: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:

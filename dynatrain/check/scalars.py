@@ -14,6 +14,10 @@ import torch
 
 from dynatrain.check.int64 import wrap64
 
+_HEADS: dict = {}  # (dtype, shape) -> the bytes a tensor's begin with
+_NUMPY = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+          torch.float64, torch.complex64, torch.complex128}
+
 
 def _canonical(v, out: bytearray, depth: int = 0) -> None:
     """Type-tagged bytes of ``v``, the same for equal values on every rank: dict keys sorted by their bytes, lists
@@ -34,15 +38,13 @@ def _canonical(v, out: bytearray, depth: int = 0) -> None:
     elif isinstance(v, (bytes, bytearray)):
         out += b"b" + str(len(v)).encode() + b":" + bytes(v)
     elif isinstance(v, torch.Tensor):
-        from torch.distributed.tensor import DTensor
+        if type(v) is not torch.Tensor:
+            from torch.distributed.tensor import DTensor
 
-        if isinstance(v, DTensor):  # its local part, with where that part lies
-            out += b"D" + repr((tuple(v.shape), tuple(str(p) for p in v.placements))).encode()
-            v = v.to_local()
-        t = v.detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        out += b"t" + repr((str(t.dtype), tuple(t.shape))).encode() + str(raw.numel()).encode() + b":"
-        out += raw.numpy().tobytes()
+            if isinstance(v, DTensor):  # its local part, with where that part lies
+                out += b"D" + repr((tuple(v.shape), tuple(str(p) for p in v.placements))).encode()
+                v = v.to_local()
+        _tensor_bytes(v.detach().cpu(), out)
     elif isinstance(v, Mapping):
         items = []
         for key, value in v.items():
@@ -74,6 +76,22 @@ def _canonical(v, out: bytearray, depth: int = 0) -> None:
     else:  # an object of the user's: its type and repr, memory addresses left out
         text = re.sub(r"0x[0-9a-fA-F]+", "0x", repr(v))
         out += b"o" + f"{type(v).__module__}.{type(v).__qualname__}".encode() + b"|" + text.encode() + b";"
+
+
+def _tensor_bytes(t: torch.Tensor, out: bytearray) -> None:
+    """dtype, shape and raw bits of a CPU tensor (every parameter's ``step`` is one: a switch hashes them twice)."""
+    key = (t.dtype, t.shape)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) >= 4096:
+            _HEADS.clear()
+        head = _HEADS[key] = (b"t" + repr((str(t.dtype), tuple(t.shape))).encode()
+                              + str(t.numel() * t.element_size()).encode() + b":")
+    out += head
+    if t.dtype in _NUMPY:  # numpy's bytes of the array are its C-order bits, without torch's views
+        out += t.numpy().tobytes()
+    elif t.numel():
+        out += t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def canonical_bytes(v) -> bytes:

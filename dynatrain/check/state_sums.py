@@ -80,7 +80,6 @@ def local_sums(tensors: Mapping[str, torch.Tensor], scalars: Mapping[str, object
 
 
 def _hash_states(out: StateSums, tensors, scalars) -> None:
-    memo: dict = {}
     with PieceSums(len(out.names)) as pieces:  # one host transfer for every tensor's sum, at the end
         for i, name in enumerate(out.names):
             if name in scalars:
@@ -92,7 +91,7 @@ def _hash_states(out: StateSums, tensors, scalars) -> None:
                 continue
             out.sizes[i], out.knowers[i] = t.numel(), 1
             try:
-                indices = placed_indices(t, memo)
+                indices = placed_indices(t)
                 if indices is None:  # off the DTensor's mesh: holds nothing
                     continue
                 local = local_part(t)

@@ -16,8 +16,9 @@ And each new shard must be written whole and once (the regions received and copi
 regions the engine moved, and each of those claims is checked; no claim is taken as the index of an element.
 
 The optimizer's scalars (``step``), its hyper-parameters and the LR schedulers' states are hashed whole before and
-after (`state_sums.local_sums`). A world change reduces the sums of before on the old world and hands them to
-joining processes. The check's seconds are the ``verify`` phase of the switch's report: it reads the moved bytes
+after (`state_sums.local_sums`). A world change that some member leaves reduces the sums of before on the old world
+and hands them to joining processes; where every member stays, the one all-reduce of after sums both sides (a joining
+process adding nothing to before). The check's seconds are the ``verify`` phase of the switch's report: it reads the moved bytes
 once more on each side, not the whole state.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import add
 from typing import Any, Protocol
 
 import torch
@@ -37,7 +39,6 @@ from dynatrain.check.module_states import PARAM_GROUP, SCHEDULER, module_state_t
 from dynatrain.check.placement import local_part, placed_indices
 from dynatrain.check.replicas import kept_scalars
 from dynatrain.check.state_sums import StateSums, explain, local_sums
-from dynatrain.engine.wire import local_box
 from dynatrain.runtime import control_group
 
 
@@ -61,13 +62,14 @@ class SwitchVerificationError(RuntimeError):
 @dataclass
 class Before:
     """What one side of the check knows before anything moves: per routed state (``names``), the sum of the pieces sent
-    (this process's, or after `reduce` every process's); the scalars' sums; per local copy of this process, the global
-    indices of its source region."""
+    (this process's, or after `reduce` every process's: ``reduced``); the scalars' sums; per local copy of this
+    process, the global indices its source tensor's placements give (per dimension) and its source region in them."""
 
     names: tuple[str, ...]
     sent: list[int]
     scalars: StateSums
     copies: list = field(default_factory=list)
+    reduced: bool = False
 
 
 def _live(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dict, dict]:
@@ -83,19 +85,48 @@ def _live(module: nn.Module, optimizer, schedulers: Sequence[dict]) -> tuple[dic
     return tensors, scalars
 
 
-def _indices(t: torch.Tensor, memo: dict) -> list:
+def _indices(t: torch.Tensor) -> list:
     """Per dimension, the global indices of ``t``'s local elements (a 0-d tensor as the one element it is captured
     as)."""
     if t.dim() == 0:
         return [range(1)]
-    indices = placed_indices(t, memo)
+    indices = placed_indices(t)
     if indices is None:
         raise ValueError("holds no part of it on this process")
     return indices
 
 
-def _region(shards, shard: int, box) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return local_box(shards.offsets[shard], box)
+class _Placed:
+    """Per state, the global indices its live tensor's own placements give its local elements, found once a pass:
+    a state's pieces and copies all read the same answer."""
+
+    def __init__(self, tensors: dict) -> None:
+        self.tensors, self._found = tensors, {}
+
+    def indices(self, state: str) -> list:
+        found = self._found.get(state)
+        if found is None:  # KeyError, ValueError: not kept, raised again for each piece of the state
+            found = self._found[state] = _indices(self.tensors[state])
+        return found
+
+    def local(self, state: str) -> tuple[torch.Tensor, list]:
+        """(the local part, its global indices)."""
+        return local_part(self.tensors[state]), self.indices(state)
+
+
+class _Regions:
+    """The box of a piece in its local tensor (`engine.wire.local_box`), this process's shards of each state looked
+    up once."""
+
+    def __init__(self, layout, me: int) -> None:
+        self.layout, self.me, self._shards = layout, me, {}
+
+    def __call__(self, state: str, shard: int, box) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shards = self._shards.get(state)
+        if shards is None:
+            shards = self._shards[state] = self.layout.shards(state, self.me)
+        origin = shards.offsets[shard]
+        return tuple(map(add, origin, box.lo)), tuple(map(add, origin, box.hi))
 
 
 def _piece(local: torch.Tensor, indices: list, lo, hi) -> tuple[torch.Tensor, list]:
@@ -111,6 +142,13 @@ def _same(a, b) -> bool:
                        torch.as_tensor(list(b) if isinstance(b, range) else b))
 
 
+def _same_region(src: list, src_lo, src_hi, dst: list, dst_lo, dst_hi) -> bool:
+    """Whether two regions of two tensors' local elements lie at the same global indices (``src`` and ``dst``: per
+    dimension, the global indices of each tensor's local elements)."""
+    return len(src) == len(dst) and all(_same(s[a:b], d[c:e]) for s, a, b, d, c, e in
+                                        zip(src, src_lo, src_hi, dst, dst_lo, dst_hi))
+
+
 @torch.no_grad()
 def before(held, plan, me: int) -> Before:
     """This process's side before the switch: the pieces it sends, hashed by its live tensors' own placements."""
@@ -120,46 +158,45 @@ def before(held, plan, me: int) -> Before:
     tensors, scalars = _live(held.module, held.optimizer, kept.schedulers)
     out = Before(names, [0] * len(names), local_sums({}, scalars, sorted(kept_scalars(kept))))
     at = {n: i for i, n in enumerate(names)}
-    rp, memo = plan.rank_plan(me), {}
+    rp, placed, region = plan.rank_plan(me), _Placed(tensors), _Regions(plan.old, me)
     sources = held.captured.sources
     with PieceSums(len(names)) as sent:  # read once at the end, not once per piece
         for messages in rp.sends:
             for message in messages:
                 for t in message.pieces:
-                    lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
-                    indices = _indices(tensors[t.state], memo)
-                    sent.add(at[t.state], *_piece(sources[t.state], indices, lo, hi), shapes[t.state])
+                    lo, hi = region(t.state, t.src_shard, t.src_box)
+                    sent.add(at[t.state], *_piece(sources[t.state], placed.indices(t.state), lo, hi),
+                             shapes[t.state])
     out.sent = sent.totals()
     for copies in rp.local_copies:
         for t in copies:
-            lo, hi = _region(plan.old.shards(t.state, me), t.src_shard, t.src_box)
-            indices = _indices(tensors[t.state], memo)
-            out.copies.append((t, [ix[a:b] for ix, a, b in zip(indices, lo, hi)]))
+            out.copies.append((t, placed.indices(t.state), *region(t.state, t.src_shard, t.src_box)))
     return out
 
 
 def _vector(ctx: CheckContext, values: list[int]) -> list[int]:
-    return control_group.all_reduce_ints([wrap64(v) for v in values], ctx.control_group)
+    return control_group.sum_ints([wrap64(v) for v in values], ctx.control_group)
 
 
 def reduce(ctx: CheckContext, side: Before) -> Before:
     """``side`` summed over the processes of the current world (the copies stay this process's)."""
     n = len(side.names)
     total = _vector(ctx, side.sent + side.scalars.vector())
-    return Before(side.names, total[:n], StateSums.from_vector(side.scalars.names, total[n:]), side.copies)
+    return Before(side.names, total[:n], StateSums.from_vector(side.scalars.names, total[n:]), side.copies, True)
 
 
 @torch.no_grad()
-def after(ctx: CheckContext, old: Before, planned, reduced: bool, schedulers: Sequence[dict]) -> bool:
-    """Raise `SwitchVerificationError` naming every state that differs; ``reduced``: ``old`` holds the totals over
-    the old world already; ``schedulers``: the LR schedulers' states the process trains on with."""
+def after(ctx: CheckContext, old: Before, planned, schedulers: Sequence[dict]) -> bool:
+    """Raise `SwitchVerificationError` naming every state that differs; ``old``: this process's side of before, or
+    the totals over the old world (``old.reduced``), reduced here with the sums of after otherwise;
+    ``schedulers``: the LR schedulers' states the process trains on with."""
     plan, me = planned.plan, planned.me
     names, at = old.names, {n: i for i, n in enumerate(old.names)}
     shapes = {s.name: tuple(s.shape) for s in plan.new.states}
     tensors, scalars = _live(ctx.module, ctx.optimizer(), schedulers)
     bad = [0] * len(names)
     problems: dict[str, str] = {}
-    memo: dict = {}
+    placed, region = _Placed(tensors), _Regions(plan.new, me)
     cover: dict[str, list] = {}
 
     def fault(state: str, why: str) -> None:
@@ -171,31 +208,34 @@ def after(ctx: CheckContext, old: Before, planned, reduced: bool, schedulers: Se
         for messages in rp.recvs:
             for message in messages:
                 for t in message.pieces:
-                    lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
+                    lo, hi = region(t.state, t.dst_shard, t.dst_box)
                     cover.setdefault(t.state, []).append((lo, hi))
                     try:
-                        live = tensors[t.state]
-                        got.add(at[t.state], *_piece(local_part(live), _indices(live, memo), lo, hi),
-                                shapes[t.state])
+                        got.add(at[t.state], *_piece(*placed.local(t.state), lo, hi), shapes[t.state])
                     except (KeyError, ValueError, IndexError) as e:
                         fault(t.state, f"a received piece has no place in the adopted tensor ({e})")
     received = got.totals()
-    for t, src_indices in old.copies:  # this process's own, also after a `reduce`
-        lo, hi = _region(plan.new.shards(t.state, me), t.dst_shard, t.dst_box)
+    same: dict = {}  # a parameter's moments are placed and copied as it is: each answer is worked out once
+    for t, src, src_lo, src_hi in old.copies:  # this process's own, also after a `reduce`
+        lo, hi = region(t.state, t.dst_shard, t.dst_box)
         cover.setdefault(t.state, []).append((lo, hi))
         try:
-            dst_indices = [ix[a:b] for ix, a, b in zip(_indices(tensors[t.state], memo), lo, hi)]
+            dst = placed.indices(t.state)
         except (KeyError, ValueError) as e:
             fault(t.state, f"a local copy has no place in the adopted tensor ({e})")
             continue
-        if len(dst_indices) != len(src_indices) or not all(map(_same, src_indices, dst_indices)):
+        key = id(src), id(dst), src_lo, src_hi, lo, hi  # both index lists live through the pass: ids stay theirs
+        ok = same.get(key)
+        if ok is None:
+            ok = same[key] = _same_region(src, src_lo, src_hi, dst, lo, hi)
+        if not ok:
             fault(t.state, "a region kept on this process lies at other global indices after the switch")
     for state, regions in _tiles(tensors, cover, names).items():
         fault(state, regions)
     new_scalars = local_sums({}, scalars, old.scalars.names)
 
     n = len(names)
-    if reduced:
+    if old.reduced:
         total = _vector(ctx, received + bad + new_scalars.vector())
         sent, received, bad = old.sent, total[:n], total[n:2 * n]
         old_scalars, new_scalars = old.scalars, StateSums.from_vector(old.scalars.names, total[2 * n:])
@@ -251,11 +291,14 @@ def _overlap(regions: list) -> bool:
 
 
 def to_json(side: Before) -> dict:
-    """Reduced sums of before, for a joining process (which has no local copies)."""
+    """The sums of before for a joining process (which has no local copies): reduced over the old world, or, where
+    every member stays and `after` reduces both sides in its one all-reduce, none (the joiner adds nothing)."""
+    if not side.reduced:
+        side = Before(side.names, [0] * len(side.names), StateSums.empty(side.scalars.names))
     return {"names": list(side.names), "sent": side.sent, "scalar_names": list(side.scalars.names),
-            "scalars": side.scalars.vector()}
+            "scalars": side.scalars.vector(), "reduced": side.reduced}
 
 
 def from_json(row: dict) -> Before:
     return Before(tuple(row["names"]), list(row["sent"]),
-                  StateSums.from_vector(tuple(row["scalar_names"]), row["scalars"]))
+                  StateSums.from_vector(tuple(row["scalar_names"]), row["scalars"]), reduced=row["reduced"])

@@ -55,6 +55,23 @@ def all_reduce_ints(values: Sequence[int], group, op=dist.ReduceOp.SUM) -> list[
     return _reduce(values, torch.int64, op, group)
 
 
+# Up to this many ranks `sum_ints` all-gathers: gloo's ring all-gather makes half the sequential steps of its
+# all-reduce (3 against 6 on 4 ranks), each one a wait for a peer to be scheduled where processes share cores
+# (500 int64 on 4 processes sharing 2 cores: 0.7 against 1.2 ms at best, 3.1 against 5 ms median); its bytes grow with
+# the ranks, so a larger group all-reduces.
+GATHER_SUM_RANKS = 8
+
+
+def sum_ints(values: Sequence[int], group) -> list[int]:
+    """``values`` (int64 each) summed element-wise over ``group``, modulo 2**64 as `all_reduce_ints` sums them."""
+    if not distributed() or dist.get_world_size(group) > GATHER_SUM_RANKS or not values:
+        return all_reduce_ints(values, group)
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64)
+    _all_gather(out, mine, group)
+    return out.view(-1, mine.numel()).sum(0).tolist()
+
+
 def all_reduce_floats(values: Sequence[float], group, op=dist.ReduceOp.SUM) -> list[float]:
     """``values`` (float64 each) reduced element-wise over ``group``."""
     return _reduce(values, torch.float64, op, group)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 
-from dynatrain.check.hash_weights import warm_up as warm_up_switch_check
+from dynatrain.check.hashing import warm_up as warm_up_switch_check
 from dynatrain.elastic import priority
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
 from dynatrain.engine import run_transition

@@ -24,6 +24,7 @@ from enum import Enum
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from dynatrain.check.hashing import warm_up as warm_up_switch_check
 from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.elastic.store import connect as connect_store
 from dynatrain.elastic.world import NextGeneration
@@ -395,6 +396,8 @@ class SwitchOrchestrator:
         manager.register_joiner(self.strategy.member_info())
         prep = JoinerPrep(manager.store, self.strategy.root_device)
         prep.prepare_now()  # the members train on meanwhile; once it is ready, they may admit it at the next boundary
+        if self.strategy.switching.verify_switches:
+            warm_up_switch_check()  # its check's one-time set-up, before the members wait on it in the switch
         manager.mark_ready()
         change, payload = manager.await_admission(on_wait=prep.poll)
         if payload is None:  # admitted to a world forming while the members train: formed now, the payload after

@@ -119,7 +119,7 @@ class Stages:
             self.timer.lap("verify")
 
     def reduce_before(self) -> None:
-        """The check's side of before, summed on the old world, which a world change ends."""
+        """The check's side of before, summed on the old world, which a world change that some member leaves ends."""
         if self.before is not None:
             self.before = verify.reduce(self.ctx, self.before)
             self.timer.lap("verify")
@@ -176,9 +176,9 @@ class Stages:
         adopt_optimizer(self.ctx, self.module, optimizer, self.dst, self.kept, schedulers=schedulers)
         self.timer.lap("adopt")
 
-    def check_after(self, before: verify.Before, reduced: bool, schedulers: list[dict]) -> bool:
+    def check_after(self, before: verify.Before, schedulers: list[dict]) -> bool:
         """Every state, indexed by the adopted tensors' own placements, against ``before``."""
-        verified = verify.after(self.ctx, before, self.planned, reduced=reduced, schedulers=schedulers)
+        verified = verify.after(self.ctx, before, self.planned, schedulers=schedulers)
         self.timer.lap("verify")
         return verified
 
@@ -189,15 +189,14 @@ class Stages:
         self.timer.lap("restart")
         return trimmed
 
-    def finish(self, reduced: bool = False) -> SwitchReport:
+    def finish(self) -> SwitchReport:
         """The end of a switch of a process that held a module: the target adopted with the optimizer
-        `configure_optimizers()` makes, checked against before (``reduced``: summed over the old world), the steps
-        restarted; its report, to publish."""
+        `configure_optimizers()` makes, checked against before, the steps restarted; its report, to publish."""
         self.adopt_module()
         self.adopt_optimizer(self.ctx.make_optimizer())
         verified = None
         if self.before is not None:
-            verified = self.check_after(self.before, reduced, self.ctx.scheduler_states())
+            verified = self.check_after(self.before, self.ctx.scheduler_states())
         return self.report(verified, heap_trimmed=self.restart())
 
     def report(self, verified: bool | None, left: bool = False, heap_trimmed: bool = False) -> SwitchReport:

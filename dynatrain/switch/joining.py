@@ -56,7 +56,7 @@ class Join(Move):
         s.adopt_optimizer(optimizer, schedulers=False)
         verified = None
         if self.payload.before is not None:  # checked against the members' checksums
-            verified = s.check_after(verify.from_json(self.payload.before), True,
+            verified = s.check_after(verify.from_json(self.payload.before),
                                      self.payload.checkpoint.get("lr_schedulers", []))
         yield Await.LOOP
         # The members report the switch; a joining process has no old layout of its own.

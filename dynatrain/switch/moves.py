@@ -81,12 +81,14 @@ class WorldChange(Move):
         s.capture()
         planned = s.plan(self.plan)
         s.check_before()
-        s.reduce_before()  # on the old world, which the change ends
+        members = self.world_plan.target_members(planned.union)
+        stay = set(members) == set(planned.union)
+        if not stay:  # a leaver's sums of before are summed on the old world, which it leaves
+            s.reduce_before()
         self._publish(ctx, s, planned)
         self.targets.forget_builds()  # they hold the old world's meshes
         s.release()
-        members = self.world_plan.target_members(planned.union)
-        if set(members) == set(planned.union):
+        if stay:
             # Nobody leaves: the transfer runs on the target world itself, and the target is built there before
             # it, while the joiners run their Lightning set-up (see `Join`).
             world = ctx.elastic.change_world(members, lambda world: self._on_target(s, world), order=members,
@@ -103,7 +105,7 @@ class WorldChange(Move):
             self._enter(ctx, world)
             s.timer.lap("world")
             s.build()
-        report = s.finish(reduced=True)
+        report = s.finish()
         ctx.publish(report)
         return report
 

@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 import dynatrain
+from dynatrain import engine
+from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.data import LlamaDataModule
 from dynatrain.elastic.manager import JOIN_CHECKPOINT
 from dynatrain.settings import JOIN_ENV
@@ -116,6 +118,20 @@ class Preempt(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def corrupted_transition(plan, rank, src, **kwargs):
+    """The engine's transfer, then one byte of the first piece of a weight this process received flipped."""
+    dst, stats = engine.run_transition(plan, rank, src, **kwargs)
+    pieces = [t for messages in plan.rank_plan(rank).recvs for m in messages for t in m.pieces
+              if t.state.endswith("wq.weight")]
+    if pieces:
+        t = pieces[0]
+        origin = plan.new.shards(t.state, rank).offsets[t.dst_shard]
+        first = tuple(o + lo for o, lo in zip(origin, t.dst_box.lo))
+        with torch.no_grad():
+            dst[t.state][first].view(-1).view(torch.uint8)[0] ^= 1
+    return dst, stats
+
+
 def main() -> None:
     if os.environ.get("DYNATRAIN_DEBUG_STACKS"):
         import faulthandler
@@ -150,6 +166,8 @@ def main() -> None:
     ap.add_argument("--die-when-admitted", default=None, metavar="FILE", help="a joiner creates FILE and is "
                     "SIGKILLed as soon as the members admit it, before it forms their next world with them")
     ap.add_argument("--heartbeat", type=float, default=None, help="seconds between liveness beats")
+    ap.add_argument("--corrupt-received", action="store_true",
+                    help="one byte this process receives in a switch is flipped; the check's error is the result")
     ap.add_argument("--user-model", default=None, metavar="OPTIMIZER",
                     help="train tests/workers/user_model.py's UserLM with this optimizer instead of LlamaLM")
     args = ap.parse_args()
@@ -178,6 +196,8 @@ def main() -> None:
         elastic=None if args.static else {"timeout": args.timeout, "join_timeout": args.join_timeout,
                                           **({"heartbeat": args.heartbeat} if args.heartbeat else {})},
     )
+    if args.corrupt_received:
+        strategy.switch_transfer = corrupted_transition
     logger = CSVLogger(args.log_dir, name="run") if args.log_dir else False
     die = tuple(int(x) for x in args.die.split(":")) if args.die else None
     script = Script(entries, die, tuple(args.prepared_signal.split("@")) if args.prepared_signal else None,
@@ -209,10 +229,15 @@ def main() -> None:
                            max_corpus_bytes=400_000)
     while args.start_after and not os.path.exists(args.start_after):
         time.sleep(0.05)
+    check_error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=JOIN_CHECKPOINT if joining else None)
+        except SwitchVerificationError as e:
+            check_error = str(e)
     result = {
+        "check_error": check_error,
         "losses": module.step_losses,
         "left": strategy.detached,
         "layout": strategy.parallel_config.short(),

@@ -1,12 +1,14 @@
 """One rank of a run that switches once, optionally through a test double of the engine that writes where its plan
 says, the plan having been made from a wrong rank map (new positions 0 and 1 swapped): what the switch's check
-must catch, since the moved bytes are self-consistent with that plan. Writes the check's outcome."""
+must catch, since the moved bytes are self-consistent with that plan; or (``--corrupt``) through the real engine
+with one byte flipped on rank 1 in the first piece it received of a weight. Writes the check's outcome."""
 
 import argparse
 import os
 import warnings
 
 import lightning.pytorch as pl
+import torch
 
 import dynatrain
 from dynatrain import engine
@@ -25,6 +27,20 @@ def swapped_transition(plan, rank, src, **kwargs):
     order[0], order[1] = order[1], order[0]
     wrong = plan_switch(plan.old, plan.new, rank_map=order)
     return engine.run_transition(wrong, rank, src, **kwargs)
+
+
+def corrupted_transition(plan, rank, src, **kwargs):
+    """The engine's transfer, then on rank 1 one byte of the first received piece of a weight flipped."""
+    dst, stats = engine.run_transition(plan, rank, src, **kwargs)
+    if rank == 1:
+        pieces = [t for messages in plan.rank_plan(rank).recvs for m in messages for t in m.pieces
+                  if t.state.endswith("wq.weight")]
+        t = pieces[0]
+        origin = plan.new.shards(t.state, rank).offsets[t.dst_shard]
+        first = tuple(o + lo for o, lo in zip(origin, t.dst_box.lo))
+        with torch.no_grad():
+            dst[t.state][first].view(-1).view(torch.uint8)[0] ^= 1
+    return dst, stats
 
 
 class SwitchOnce(pl.Callback):
@@ -46,11 +62,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--wrong", action="store_true")
+    ap.add_argument("--corrupt", action="store_true")
     args = ap.parse_args()
     pl.seed_everything(1234, verbose=False)
     strategy = dynatrain.DynaTrainStrategy(parallel="dp_shard=2,tp=2", switching={"rank_map": "identity"})
     if args.wrong:
         strategy.switch_transfer = swapped_transition
+    if args.corrupt:
+        strategy.switch_transfer = corrupted_transition
     script = SwitchOnce("dp_shard=4")
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=3, logger=False,
