@@ -26,6 +26,9 @@ from dynatrain.launch.local import finish_rank
 from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.settings import THREADS_ENV
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a forked rank runs this file without its folder
+from corruption import flip_received_byte  # noqa: E402
+
 warnings.filterwarnings("ignore")
 
 
@@ -121,14 +124,7 @@ class Preempt(pl.Callback):
 def corrupted_transition(plan, rank, src, **kwargs):
     """The engine's transfer, then one byte of the first piece of a weight this process received flipped."""
     dst, stats = engine.run_transition(plan, rank, src, **kwargs)
-    pieces = [t for messages in plan.rank_plan(rank).recvs for m in messages for t in m.pieces
-              if t.state.endswith("wq.weight")]
-    if pieces:
-        t = pieces[0]
-        origin = plan.new.shards(t.state, rank).offsets[t.dst_shard]
-        first = tuple(o + lo for o, lo in zip(origin, t.dst_box.lo))
-        with torch.no_grad():
-            dst[t.state][first].view(-1).view(torch.uint8)[0] ^= 1
+    flip_received_byte(plan, rank, dst)
     return dst, stats
 
 

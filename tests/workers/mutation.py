@@ -5,16 +5,20 @@ with one byte flipped on rank 1 in the first piece it received of a weight. Writ
 
 import argparse
 import os
+import sys
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 
 import dynatrain
 from dynatrain import engine
 from dynatrain.data import LlamaDataModule
 from dynatrain.check.verify import SwitchVerificationError
 from dynatrain.launch.local import finish_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a forked rank runs this file without its folder
+from corruption import flip_received_byte  # noqa: E402
 from dynatrain.lm.causal_lm import LlamaLM
 from dynatrain.planner.schedule import plan_switch
 
@@ -33,13 +37,7 @@ def corrupted_transition(plan, rank, src, **kwargs):
     """The engine's transfer, then on rank 1 one byte of the first received piece of a weight flipped."""
     dst, stats = engine.run_transition(plan, rank, src, **kwargs)
     if rank == 1:
-        pieces = [t for messages in plan.rank_plan(rank).recvs for m in messages for t in m.pieces
-                  if t.state.endswith("wq.weight")]
-        t = pieces[0]
-        origin = plan.new.shards(t.state, rank).offsets[t.dst_shard]
-        first = tuple(o + lo for o, lo in zip(origin, t.dst_box.lo))
-        with torch.no_grad():
-            dst[t.state][first].view(-1).view(torch.uint8)[0] ^= 1
+        assert flip_received_byte(plan, rank, dst), "rank 1 received no piece of a weight to corrupt"
     return dst, stats
 
 
