@@ -227,9 +227,13 @@ class SwitchOrchestrator:
         strategy = self.strategy
         change = f"world change {strategy.parallel_config.short()} -> {request.target.short()}"
         try:
-            if request.admitted is not None:  # admitted at an earlier boundary, its world forming since
-                if not formed_ahead.formed(self, request):
-                    return None
+            if request.admitted is not None:  # admitted, its world forming since
+                while not formed_ahead.formed(self, request):
+                    if request.admitted is None:  # dropped: ready joiners again, waited for here if it holds
+                        return self._run_world_change(request) if request.wait else None
+                    if not request.wait:  # it switches at a later boundary; one that holds training, at this one
+                        return None
+                    time.sleep(formed_ahead.POLL)
                 self.pending = None
                 rank_zero_info(f"{change}: admitting joiners {request.admitted}, the world formed while training "
                                "went on")
