@@ -189,7 +189,7 @@ class ElasticManager:
         if self._beating is not None:
             return
         self._beating = stop = threading.Event()
-        store = connect(self.endpoint, self.token, timeout=self.config.timeout)
+        store = self.new_connection()
         key, period = f"elastic/alive/{self.member_id}", self.config.heartbeat
 
         def beat() -> None:
@@ -285,12 +285,15 @@ class ElasticManager:
         self.split_threads(ahead.host_processes if isinstance(ahead, NextGeneration) else None)
         return self.world
 
+    def new_connection(self):
+        """A connection of its own to the job's store, for a thread (a connection serves one thread)."""
+        return connect(self.endpoint, self.token, timeout=self.config.timeout)
+
     def form_ahead(self, members: list[str]) -> NextGeneration:
         """Start forming the next generation of ``members`` (in rank order, this process one of them) on a
         background thread with its own store connection, while the current one trains."""
         assert self.world is not None
-        return self.world.form_ahead(lambda: connect(self.endpoint, self.token, timeout=self.config.timeout),
-                                     members)
+        return self.world.form_ahead(self.new_connection, members)
 
     def agree_on_survivors(self, info: dict) -> dict[str, dict]:
         """After a fault: which members of the current generation are still there, each with its ``info``.

@@ -26,7 +26,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from dynatrain.check.hashing import warm_up as warm_up_switch_check
 from dynatrain.check.verify import SwitchVerificationError
-from dynatrain.elastic.store import connect as connect_store
 from dynatrain.elastic.world import NextGeneration
 from dynatrain.strategies import fit_loop, formed_ahead
 from dynatrain.strategies.switch_checks import check_module, check_target, check_world
@@ -369,8 +368,7 @@ class SwitchOrchestrator:
 
     def store_connection(self):
         """How a background thread connects to the job's store (a connection serves one thread)."""
-        manager = self.strategy.elastic
-        return lambda: connect_store(manager.endpoint, manager.token, timeout=manager.config.timeout)
+        return self.strategy.elastic.new_connection
 
     # ---- a process lost -----------------------------------------------------------------------------------
     def recover(self, error: BaseException) -> RecoveryReport:
