@@ -40,6 +40,7 @@ class Script(pl.Callback):
                  prepared_signal: tuple[str, str] | None = None, hold_for_joiner: int | None = None):
         self.entries = entries
         self.next = 0
+        self.requested = None  # (the checked target, the ranks leaving) of the last request
         self.die = die  # (step, rank): that rank is killed at the boundary where a switch is pending
         # (layout, file): rank 0 creates the file once a world change to that layout is pending
         self.prepared_signal = prepared_signal
@@ -56,27 +57,27 @@ class Script(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
+        pending = self.requested if strategy.switch_pending else None  # the request this script made last
         if (self.die and trainer.global_rank == self.die[1] and trainer.global_step >= self.die[0]
-                and strategy._switcher.pending is not None and strategy._switcher.at_boundary()):
+                and pending is not None and strategy.at_step_boundary()):
             os.kill(os.getpid(), signal.SIGKILL)
-        pending = strategy._switcher.pending
         if self.prepared_signal and trainer.global_rank == 0 and pending is not None \
-                and pending.target.short() == self.prepared_signal[0]:
+                and pending[0].short() == self.prepared_signal[0]:
             Path(self.prepared_signal[1]).touch()
         if (self.hold_for_joiner is not None and trainer.global_step >= self.hold_for_joiner
                 and trainer.global_rank == 0 and pending is not None
-                and pending.target.world_size > strategy.world_size - len(pending.leave)
-                and strategy._switcher.at_boundary()):
+                and pending[0].world_size > strategy.world_size - len(pending[1])
+                and strategy.at_step_boundary()):
             deadline = time.monotonic() + 120
             while not strategy.elastic.ready_joiners() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         strategy = trainer.strategy
-        if self.next < len(self.entries) and strategy._switcher.pending is None:
+        if self.next < len(self.entries) and not strategy.switch_pending:
             step, layout, leave, ahead = self.entries[self.next]
             if trainer.global_step >= step:
-                strategy.request_switch(layout, leave=leave, plan_ahead=ahead)
+                self.requested = (strategy.request_switch(layout, leave=leave, plan_ahead=ahead), leave)
                 self.next += 1
 
 
