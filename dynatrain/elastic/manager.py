@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from dynatrain.elastic import priority
 from dynatrain.elastic.store import connect
-from dynatrain.elastic.registry import deregister, pending_joiners, processes_on_host, register
+from dynatrain.elastic.registry import deregister, pending_joiners, processes_on_host, ready_key, register
 from dynatrain.elastic.world import (
     NextGeneration,
     WorldChange,
@@ -238,7 +238,7 @@ class ElasticManager:
         return self.member_id
 
     def mark_ready(self) -> None:
-        self.store.set(f"elastic/ready/{self.member_id}", str(time.time()))
+        self.store.set(ready_key(self.member_id), str(time.time()))
 
     def ready_joiners(self) -> list[str]:
         """Registered joiners that said they are ready and still beat, in arrival order. A joiner whose beats
@@ -250,7 +250,7 @@ class ElasticManager:
             if silent is not None:
                 self.drop_joiner(m, f"it stopped beating for {silent:.1f}s (the process died or hangs)")
                 continue
-            if self.store.check([f"elastic/ready/{m}"]):
+            if self.store.check([ready_key(m)]):
                 out.append(m)
         return out
 

@@ -77,3 +77,13 @@ def pending_joiners(store, members: Iterable[str]) -> dict[str, dict]:
     """Registered processes that are not in ``members``: candidates for the next generation."""
     current = set(members)
     return {m: info for m, info in registered(store).items() if m not in current}
+
+
+def ready_key(member_id: str) -> str:
+    """Set by a joiner once it is ready to be admitted."""
+    return f"elastic/ready/{member_id}"
+
+
+def ready_pending(store, members) -> list[str]:
+    """The registered joiners outside ``members`` that said they are ready, sorted (their beats unchecked)."""
+    return [m for m in sorted(pending_joiners(store, members)) if store.check([ready_key(m)])]

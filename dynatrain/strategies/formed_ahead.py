@@ -22,7 +22,7 @@ import time
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-from dynatrain.elastic.registry import pending_joiners
+from dynatrain.elastic.registry import ready_pending
 from dynatrain.elastic.world import announce, plan_union_then_target
 from dynatrain.runtime import control_group
 from dynatrain.switch.moves import change_inputs
@@ -39,9 +39,9 @@ class Watcher:
     generation as soon as rank 0 has, so that it is formed by the next boundary more often than not. The boundary
     decides as without it when it has not (`take`)."""
 
-    def __init__(self, manager, prep: MemberPrep, need: int, rank0: bool, attempt: int, connect) -> None:
+    def __init__(self, manager, prep: MemberPrep, need: int, rank0: bool, attempt: int, connect, step: int) -> None:
         self.joiners: list[str] | None = None  # rank 0's admission, once made (read from the store elsewhere)
-        self.step: int | None = None  # the trainer's step it began watching at
+        self.step = step  # the trainer's step it began at: what it forms, it forms while the next step trains
         self.ahead = None  # the target generation, forming, once started on this member
         self._stop = threading.Event()
         key = f"elastic/forming/{manager.world.generation + 1}/{attempt}"
@@ -75,7 +75,7 @@ class Watcher:
 
 
 def _ready(store, members, need: int) -> list[str] | None:
-    ready = [m for m in sorted(pending_joiners(store, members)) if store.check([f"elastic/ready/{m}"])]
+    ready = ready_pending(store, members)
     return ready[:need] if len(ready) >= need else None
 
 
@@ -93,8 +93,7 @@ def watch(orchestrator, request) -> None:
     request.attempts += 1
     connect = orchestrator.store_connection()
     request.watcher = Watcher(strategy.elastic, request.prep, need, strategy.global_rank == 0, request.attempts,
-                              connect)
-    request.watcher.step = orchestrator.ctx.step  # what it forms, it forms while the next step trains
+                              connect, orchestrator.ctx.step)
 
 
 def taken(request) -> list[str] | None:
