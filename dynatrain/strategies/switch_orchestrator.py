@@ -295,17 +295,18 @@ class SwitchOrchestrator:
             inputs = in_world_inputs(self.ctx, self.targets, request.target, captured, strategy.switch_reports,
                                      built=self.targets.has_build(request.target))
             if request.prep is None or request.prep.inputs != inputs:
-                request.prepared(InWorldPrep(inputs))
+                request.prepared(InWorldPrep(inputs, self.ctx.rank))
             return
         inputs = change_inputs(self.ctx, self.targets, request.target, request.leave, None, captured)
         if request.prep is not None and request.prep.inputs == inputs:
             return
+        member = self.ctx.elastic.member_id
         if not inputs.joiners:
-            request.prepared(MemberPrep(inputs))
+            request.prepared(MemberPrep(inputs, member=member))
             return
         # A step boundary: what the allocator holds free now is what the steps work in.
         working = free_working_bytes(strategy.root_device) if strategy.global_rank == 0 else 0
-        request.prepared(MemberPrep(inputs, self._intent_store(), working))
+        request.prepared(MemberPrep(inputs, self._intent_store(), working, member))
 
     def _intent_store(self):
         """On rank 0, how the plan's thread connects to the store (a connection serves one thread); None

@@ -219,17 +219,21 @@ def warm_allocator(nbytes: int, device: "torch.device | str") -> int:
 class MemberPrep:
     """A member's preparation of one world change: the plan, on its own thread."""
 
-    def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None, working_bytes: int = 0) -> None:
+    def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None, working_bytes: int = 0,
+                 member: str | None = None) -> None:
         """``connect``: on rank 0, a new connection to the job's store, to publish the intent from the plan's thread
         as soon as it is planned; joiners that get ready before the next step boundary then prepare their side
         before they are admitted, which can be at that boundary. ``working_bytes``: what this member's steps work in
-        (`free_working_bytes`), published with the intent for the joiners to warm their allocators with."""
+        (`free_working_bytes`), published with the intent for the joiners to warm their allocators with.
+        ``member``: this member's id, whose pieces are expanded there too."""
         self.inputs = inputs
         self.published = False
         self.working_bytes = working_bytes
 
         def plan() -> WorldPlan:
             world_plan = plan_world_change(inputs)
+            if member in inputs.union:  # the expansion the check and the engine read (milliseconds), off the stall
+                world_plan.plan.rank_plan(inputs.union.index(member))
             if connect is not None:
                 try:
                     connect().set(INTENT_KEY, self._intent(world_plan))
