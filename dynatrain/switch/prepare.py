@@ -232,14 +232,14 @@ class MemberPrep:
 
         def plan() -> WorldPlan:
             world_plan = plan_world_change(inputs)
-            if member in inputs.union:  # the expansion the check and the engine read (milliseconds), off the stall
-                world_plan.plan.rank_plan(inputs.union.index(member))
             if connect is not None:
                 try:
                     connect().set(INTENT_KEY, self._intent(world_plan))
                     self.published = True
                 except Exception:  # noqa: BLE001 - `publish` at the next boundary tries again
                     pass
+            if member in inputs.union:  # the expansion the check and the engine read (milliseconds), off the stall
+                world_plan.plan.rank_plan(inputs.union.index(member))
             return world_plan
 
         self._plan = Background(inputs, plan, "dynatrain-plan-next-world")
