@@ -127,6 +127,7 @@ def test_checksum_is_its_definition_for_every_dtype_both_ways(monkeypatch):
 
 
 def test_weights_are_odd_distinct_and_their_digits_exact():
+    from dynatrain.check.hash_weights import COLUMNS as _COLUMNS
     from dynatrain.check.hash_weights import DIGITS as _DIGITS
     from dynatrain.check.hash_weights import ROW as _ROW
     from dynatrain.check.hash_weights import row_weight as _row_weight
@@ -136,7 +137,7 @@ def test_weights_are_odd_distinct_and_their_digits_exact():
     b, digits, powers = _weights(4, torch.device("cpu"), True)
     assert bool((b % 2 == 1).all()) and len(set(b.tolist())) == _ROW and 0 < int(b.min()) and int(b.max()) < 1 << 32
     assert digits.dtype == torch.int8 and int(digits.min()) >= -64 and int(digits.max()) < 64
-    assert digits.shape == (4 * _ROW, _DIGITS)
+    assert digits.shape == (4 * _ROW, _COLUMNS) and not bool(digits[:, _DIGITS:].any())
     assert torch.equal((digits.to(torch.int64) * powers).sum(1), (b[:, None] << (8 * torch.arange(4))).reshape(-1))
     rows = torch.tensor([0, 1, 2, 12345, (1 << 40) + 3, (1 << 62) - 1])
     assert _row_weights(rows).tolist() == [_row_weight(r) for r in rows.tolist()]

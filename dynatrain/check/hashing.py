@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from dynatrain.check import hash_weights
-from dynatrain.check.hash_weights import DIGITS, ROW, int_mm_exact, row_weight, row_weights, weights
+from dynatrain.check.hash_weights import COLUMNS, ROW, int_mm_exact, row_weight, row_weights, weights
 from dynatrain.check.int64 import wrap64
 from dynatrain.check.placement import Index
 
@@ -141,7 +141,7 @@ def _checksum(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int
         row = None if one is not None else row_weights(_as_tensor(row, dev))
         if mm and m >= 16:  # the bytes' digit weights
             w = (digits[col.start * unit:col.stop * unit] if isinstance(col, range) else
-                 digits.view(ROW, unit * DIGITS).index_select(0, col.to(dev)).view(-1, DIGITS))
+                 digits.view(ROW, unit * COLUMNS).index_select(0, col.to(dev)).view(-1, COLUMNS))
             step, offset = max(256, _MM_BYTES // (k * unit)), None
         else:  # the units' weights, and what v' = (v ^ spread) - spread takes off each row's sum
             w = b[col.start:col.stop] if isinstance(col, range) else b.index_select(0, col.to(dev))
@@ -243,7 +243,7 @@ class PieceSums:
 
 
 def _digit_sums(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[int]):
-    """(per row of ``local``'s unit matrix, the 9 digit sums of its units times their column weights, int32; its
+    """(per row of ``local``'s unit matrix, the digit sums of its units times their column weights, int32; its
     hash rows) by one int8 matrix product, or None where `_checksum` reads it: off a CPU, where `torch._int_mm` is
     not exact, a piece big enough for several threads, a tensor row longer than a hash row."""
     size, n = local.element_size(), local.numel()
@@ -272,7 +272,7 @@ def _digit_sums(local: torch.Tensor, indices: Sequence[Index], shape: Sequence[i
     if isinstance(cols, range):
         return torch._int_mm(x, digits[cols.start * unit:cols.stop * unit]), rows
     # Columns apart (a box of merged trailing dimensions, a strided shard of the last): their bytes' digits gathered.
-    return torch._int_mm(x, digits.view(ROW, unit * DIGITS).index_select(0, cols).view(-1, DIGITS)), rows
+    return torch._int_mm(x, digits.view(ROW, unit * COLUMNS).index_select(0, cols).view(-1, COLUMNS)), rows
 
 
 def _hash_split(shape: tuple[int, ...]) -> int | None:

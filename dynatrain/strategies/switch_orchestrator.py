@@ -336,20 +336,21 @@ class SwitchOrchestrator:
             inputs = in_world_inputs(self.ctx, self.targets, request.target, captured, strategy.switch_reports,
                                      built=self.targets.has_build(request.target))
             if request.prep is None or request.prep.inputs != inputs:
-                request.prepared(InWorldPrep(inputs))
+                request.prepared(InWorldPrep(inputs, self.ctx.rank))
             return
         inputs = change_inputs(self.ctx, self.targets, request.target, request.leave, None, captured)
         if request.prep is not None and request.prep.inputs == inputs:
             return
+        member = self.ctx.elastic.member_id
         if not inputs.joiners:
             if request.prep is not None:
                 request.prep.discard()
-            request.prepared(MemberPrep(inputs, form=self._former(inputs)))
+            request.prepared(MemberPrep(inputs, form=self._former(inputs), member=member))
             request.forming_step = self.ctx.step
             return
         # A step boundary: what the allocator holds free now is what the steps work in.
         working = free_working_bytes(strategy.root_device) if strategy.global_rank == 0 else 0
-        request.prepared(MemberPrep(inputs, self.intent_store(), working))
+        request.prepared(MemberPrep(inputs, self.intent_store(), working, member=member))
 
     def _former(self, inputs):
         """How a change whose members are all known forms its target generation ahead, once planned."""

@@ -109,6 +109,7 @@ class Stages:
         planned = self.planned = move_plan(self.ctx, self.held)
         if self.held is not None:
             engine.validate_sources(planned.plan, planned.me, self.sources)
+        planned.plan.rank_plan(planned.me)  # this process's pieces (kept, once made ahead): the check reads them first
         self.timer.lap("plan")
         return planned
 

@@ -107,11 +107,18 @@ def plan_in_world(inputs: InWorldInputs) -> tuple[SwitchPlan, Layout]:
 
 
 class InWorldPrep:
-    """A switch within the world, planned on its own thread."""
+    """A switch within the world, planned on its own thread, with the pieces of process ``rank`` (its rank)."""
 
-    def __init__(self, inputs: InWorldInputs) -> None:
+    def __init__(self, inputs: InWorldInputs, rank: int | None = None) -> None:
         self.inputs = inputs
-        self._plan = Background(inputs, lambda: plan_in_world(inputs), "dynatrain-plan-in-world")
+
+        def plan() -> tuple[SwitchPlan, Layout]:
+            planned = plan_in_world(inputs)
+            if rank is not None:  # the expansion the check and the engine read (milliseconds), off the stall
+                planned[0].rank_plan(rank)
+            return planned
+
+        self._plan = Background(inputs, plan, "dynatrain-plan-in-world")
 
     def plan(self) -> tuple[SwitchPlan, Layout]:
         return self._plan.result()

@@ -192,14 +192,14 @@ class MemberPrep:
     """A member's preparation of one world change: the plan, on its own thread."""
 
     def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None, working_bytes: int = 0,
-                 form: Callable[[WorldPlan], Any] | None = None) -> None:
+                 form: Callable[[WorldPlan], Any] | None = None, member: str | None = None) -> None:
         """``connect``: on rank 0, a new connection to the job's store, to publish the intent from the plan's thread
         as soon as it is planned; joiners that get ready before the next step boundary then prepare their side
         before they are admitted, which can be at that boundary. ``working_bytes``: what this member's steps work in
         (`free_working_bytes`), published with the intent for the joiners to warm their allocators with. ``form``:
         given the plan, starts forming the target generation in the background (`WorldGeneration.form_ahead`) and
         returns it, or None on a process the plan leaves out; a change whose members are all known ahead (no
-        joiner) has it."""
+        joiner) has it. ``member``: this member's id, whose pieces are expanded there too."""
         self.inputs = inputs
         self.published = False
         self.working_bytes = working_bytes
@@ -216,6 +216,8 @@ class MemberPrep:
                     self.published = True
                 except Exception:  # noqa: BLE001 - `publish` at the next boundary tries again
                     pass
+            if member in inputs.union:  # the expansion the check and the engine read (milliseconds), off the stall
+                world_plan.plan.rank_plan(inputs.union.index(member))
             return world_plan
 
         self._plan = Background(inputs, plan, "dynatrain-plan-next-world")

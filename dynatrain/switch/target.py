@@ -22,6 +22,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
+from dynatrain.check.placement import remember as remember_placements
 from dynatrain.models.pipeline_split import pipeline_stages
 from dynatrain.switch.capture import target_shardings
 from dynatrain.switch.context import SwitchContext
@@ -149,6 +150,7 @@ class TargetLayouts:
                     mesh = self.ctx.build_mesh(target)
                     built = self._build(mesh, target)
                     self.build_seconds[target] = time.perf_counter() - start
+                    remember_placements(built)  # for the check after the switch that adopts this build
                     per_param = target_shardings([(built, mesh)], captured)
             except _BuildFailed as e:
                 cause = e.__cause__
