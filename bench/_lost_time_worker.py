@@ -176,7 +176,8 @@ def run_online(args, chain: list[tuple[str, int]]) -> tuple[list[dict], dict]:
     fit_call = time.time()
     trainer.fit(module(args), datamodule=bench_data(args), ckpt_path=JOIN_CHECKPOINT if joining else None)
     extra = {"member": strategy.elastic.member_id, "left": strategy.detached,
-             "reports": [r.as_dict() for r in strategy.switch_reports]}
+             "reports": [r.as_dict() for r in strategy.switch_reports],
+             "joined": strategy.join_report.as_dict() if strategy.join_report is not None else None}
     record = segment_record(args.segment, clock, decide, fit_call)
     del trainer, strategy
     return [record], extra

@@ -177,17 +177,69 @@ def measure(way: str, trial: dict, args) -> list[dict]:
             "lost_s": ends[k + m] - t0 - m * median_step, "median_step_s": median_step,
             "steady_steps_s": step_s, "first_step_s": ends[first] - starts[first],
             "first_step_ratio": (ends[first] - starts[first]) / statistics.median(span_s),
+            "joiners": joiner_sides(trial["ranks"], i + 1, first, steady),
         })
     return out
 
 
+# `usage` fields: minor page faults, major ones, user and system CPU seconds, context switches, resident bytes
+FAULTS, SYS_S = 0, 3
+
+
+def joiner_sides(ranks: list[dict], segment: int, first: int, steady: range) -> list[dict]:
+    """Per process that joined at the change into ``segment``: its seconds from ready to its first step
+    (`SwitchReport.joined`: admission, formation, payload, Lightning's set-up and loop restore; the switch's own
+    phases), and its first step against its steady ones (seconds, page faults, system CPU)."""
+    out = []
+    for r in ranks:
+        joined = r.get("joined")
+        if not joined or r["segments"][0]["segment"] != segment:
+            continue
+        seg = r["segments"][0]
+        starts, ends, usage = dict(seg["starts"]), dict(seg["ends"]), dict(seg["usage"])
+        delta = lambda s, k: usage[s][1][k] - usage[s][0][k]
+        steady_s = [ends[s] - starts[s] for s in steady if s in ends]
+        out.append({"member": r.get("member"), "outside": joined["joined"], "phases": joined["phases"],
+                    "first_step_s": ends[first] - starts[first],
+                    "first_step_over_steady": (ends[first] - starts[first]) / statistics.median(steady_s),
+                    "first_step_faults": delta(first, FAULTS), "first_step_sys_s": delta(first, SYS_S),
+                    "steady_faults": statistics.median(delta(s, FAULTS) for s in steady if s in usage),
+                    "steady_sys_s": statistics.median(delta(s, SYS_S) for s in steady if s in usage)})
+    return out
+
+
+def joiner_table(raw: list[dict]) -> str:
+    """The joiners' side of each scale-out, per online way: median over joiners and trials of each phase."""
+    lines = []
+    for way in ("online", "online-pool"):
+        for i in range(len(CHAIN) - 1):
+            trials = [t for t in raw if t["way"] == way]
+            sides = [j for t in trials for j in t["figures"][i].get("joiners", [])]
+            if not sides:
+                continue
+            med = lambda xs: statistics.median(xs) if xs else float("nan")
+            cells = {k: med([j["outside"][k] for j in sides if k in j["outside"]])
+                     for k in ("admission", "formation", "payload", "lightning_setup", "lightning_optimizer",
+                               "loop_restore")}
+            cells["switch phases"] = med([sum(j["phases"].values()) for j in sides])
+            for k in ("first_step_s", "first_step_over_steady", "first_step_faults", "steady_faults",
+                      "first_step_sys_s", "steady_sys_s"):
+                cells[k] = med([j[k] for j in sides])
+            if not lines:
+                lines = ["| way | change | " + " | ".join(cells) + " |", "|" + "---|" * (len(cells) + 2)]
+            lines.append(f"| {way} | {trials[0]['figures'][i]['change']} | "
+                         + " | ".join(f"{v:.3f}" if v < 1000 else f"{v:.0f}" for v in cells.values()) + " |")
+    return "\n".join(lines)
+
+
 def compact(trial: dict) -> dict:
     """The trial's raw marks, without what the figures do not use."""
-    keep = ("rank", "member", "start", "imported", "end", "left", "segments")
+    keep = ("rank", "member", "start", "imported", "end", "left", "segments", "joined")
     return {"spawned": trial["spawned"],
             "ranks": [{**{k: r[k] for k in keep if k in r},
                        "reports": [{k: rep[k] for k in ("step", "old_layout", "new_layout", "world_size", "phases",
-                                                        "stall_s", "bytes_moved", "prepared", "heap_trimmed")
+                                                        "stall_s", "bytes_moved", "prepared", "heap_trimmed",
+                                                        "formed_ahead_steps")
                                     if k in rep}
                                    for rep in r.get("reports", [])]} for r in trial["ranks"]]}
 
@@ -252,6 +304,7 @@ def main() -> None:
         ways = [w for w in data["args"]["ways"].split(",") if w in data["summary"][0]]
         print(f"{data['trials_done']} of {len(data['order'])} trials")
         print(table(data["summary"], ways))
+        print(joiner_table(data["trials"]))
         return
     if args.m < 5:
         ap.error("--m must be at least 5: fewer steps do not leave a change room to finish")
@@ -275,6 +328,8 @@ def main() -> None:
         if args.json:  # after every trial: a run cut short keeps what it measured, and says how far it got
             write(args, order, n + 1, t_start, summarise({w: v for w, v in per_way.items() if v}), raw)
     print(table(summarise(per_way), ways))
+    print("The joiners' side (seconds; page faults):")
+    print(joiner_table(raw))
 
 
 def write(args, order: list[str], done: int, t_start: float, summary: list[dict], raw: list[dict]) -> None:

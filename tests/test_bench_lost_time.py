@@ -37,3 +37,11 @@ def test_each_way_runs_the_whole_chain(tmp_path):
             # A survivor reports both switches, a leaver the one it left at, a joiner (rank -1) none.
             reports = lambda r: 1 if r["left"] else 2 if r["rank"] >= 0 else 0
             assert all(len(r["reports"]) == reports(r) for r in trial["ranks"])
+            # The joiners' side of the scale-out, phase by phase, from the report of the switch each joined by.
+            scale_in, scale_out = trial["figures"]
+            assert scale_in["joiners"] == [] and len(scale_out["joiners"]) == 2
+            for side in scale_out["joiners"]:
+                assert {"admission", "lightning_setup", "lightning_optimizer", "loop_restore"} <= set(side["outside"])
+                assert all(v >= 0 for v in side["outside"].values())
+                assert "transfer" in side["phases"] and side["first_step_s"] > 0 and side["steady_faults"] >= 0
+            assert "online-pool" in proc.stdout.split("The joiners' side")[1]

@@ -2,6 +2,8 @@
 
 import warnings
 
+import pytest
+
 import torch
 
 from dynatrain.models.parallelize import connect_mesh_groups, init_mesh
@@ -78,3 +80,19 @@ def test_a_real_mesh_reads_its_flattened_names_without_the_deprecated_slice(one_
         warnings.filterwarnings("error", message="Slicing a flattened dim")
         assert connect_mesh_groups(mesh, pcfg, "cpu") == 0
 
+
+
+def test_a_layouts_groups_follow_its_rank_arrangement_along_every_dimension_and_flattened_name():
+    from dynatrain.models.mesh_groups import layout_groups, rank_groups
+
+    pcfg = ParallelConfig.parse("dp_shard=2,tp=2")
+    assert rank_groups(pcfg, [0, 1, 2, 3], 1) == {
+        "dp_replicate": (1,), "dp_shard": (1, 3), "tp": (0, 1), "data_parallel": (1, 3), "tensor_parallel": (0, 1)}
+    # Another arrangement (ascending along each dimension): the groups follow the positions, not the rank numbers.
+    moved = rank_groups(pcfg, [0, 2, 1, 3], 1)
+    assert moved["dp_shard"] == (0, 1) and moved["tp"] == (1, 3)
+    assert layout_groups(pcfg, [0, 1, 2, 3]) == [(0,), (0, 1), (0, 2), (1,), (1, 3), (2,), (2, 3), (3,)]
+    with_cp = rank_groups(ParallelConfig.parse("dp_shard=2,cp=2"), [0, 1, 2, 3], 2)
+    assert with_cp["dp_shard_cp"] == (0, 1, 2, 3) and with_cp["cp"] == (2, 3) and with_cp["dp_shard"] == (0, 2)
+    with pytest.raises(ValueError, match="rank 7 is not in the mesh"):
+        rank_groups(pcfg, [0, 1, 2, 3], 7)

@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 from dynatrain.elastic import next_world
 from dynatrain.elastic.world import WorldGeneration
+from dynatrain.models.mesh_groups import layout_groups
+from dynatrain.vps.parallel_config import ParallelConfig
+
+LAYOUT = ParallelConfig.parse("dp_shard=2")
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +32,9 @@ def _member(rank: int, port: int, out) -> None:
     members = ["m0", "m1", "m2"]
     world = WorldGeneration.join(_client(port), 0, members[rank], members, timeout=20, backend="gloo")
     stays = rank < 2
-    ahead = world.form_ahead(lambda: _client(port), ["m0", "m1"]) if stays else None
+    # With the mesh's groups of the layout the two will train as (`layout_groups`), formed beside it.
+    groups = layout_groups(LAYOUT, [0, 1])
+    ahead = world.form_ahead(lambda: _client(port), ["m0", "m1"], subgroups=groups) if stays else None
     steps, x = 0, torch.ones(1 << 16)
     while True:  # the old world trains meanwhile; every member leaves it at the same boundary
         dist.all_reduce(x)
@@ -44,14 +50,21 @@ def _member(rank: int, port: int, out) -> None:
     start = time.perf_counter()
     world = world.enter(ahead)
     entered = time.perf_counter() - start
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _world
     from torch.distributed.fsdp import fully_shard
 
+    from dynatrain.strategies.mesh_cache import MeshCache
+
     assert (world.generation, dist.get_rank(), dist.get_world_size()) == (1, rank, 2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    made = _world.group_count
+    mesh = MeshCache().get(LAYOUT, torch.device("cpu"))
+    # Every group of the mesh is one formed ahead: none is made at the boundary.
+    assert _world.group_count == made
+    assert mesh["dp_shard"].get_group() is next_world.formed_subgroup([0, 1])
+    assert mesh["tp"].get_group() is next_world.formed_subgroup([rank])
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh["dp_shard"])
     model(torch.ones(4, 8)).sum().backward()
     grad = model.weight.grad.full_tensor()
     total = torch.tensor([float(rank + 1)])
@@ -121,4 +134,4 @@ def test_a_formation_given_up_on_ends_at_once_and_the_process_exits_cleanly():
 
 def test_install_rejects_what_it_cannot_form():
     with pytest.raises(ValueError, match="gloo or nccl, not 'mpi'"):
-        next_world._backend("mpi", None, 0, 1, timedelta(seconds=1))
+        next_world._backend("mpi", None, 0, 1, timedelta(seconds=1), "0", [])

@@ -121,8 +121,9 @@ def test_a_joiner_plans_from_the_published_intent_and_uses_it_only_for_the_same_
 def test_a_waiting_joiner_allocates_its_shards_once_planned_and_hands_them_over_only_if_they_fit(specs):
     store = DictStore()
     joiner = _planned_joiner(specs, store, "cpu")
-    assert joiner.ahead is None  # planned, allocated at the next poll
+    assert joiner.ahead is None  # planned, allocated at the next poll, on a thread of its own
     joiner.poll(2.0)
+    joiner.settle()
     intent = json.loads(store.get(INTENT_KEY))
     plan, _ = plan_from_payload(intent)
     me = intent["joiners"][1]
@@ -135,6 +136,7 @@ def test_a_waiting_joiner_allocates_its_shards_once_planned_and_hands_them_over_
 
     joiner = _planned_joiner(specs, DictStore(), "cpu")  # planned dp_shard=4, admitted to a three-process world
     joiner.poll(2.0)
+    joiner.settle()
     assert joiner.ahead
     three = plan_world_change(inputs(specs, None, target="dp_shard=3")).plan
     assert joiner.destinations_for(three, 2) is None and joiner.ahead == {}

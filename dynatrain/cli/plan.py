@@ -235,8 +235,8 @@ def _stall_lines(s: dict) -> list[str]:
         out.append(f"  {name:41s}{seconds:9.3f} {0.0 if movable else seconds:7.3f} s  {what}")
     out.append(f"predicted stall            {s['in_stall']:.3f} s with the formation in the stall, {s['ahead']:.3f} s "
                "with it done ahead (formation, build and plan before the boundary)")
-    out.append(f"                           {s['as_built']:.3f} s as dynatrain forms ahead today (the world and the "
-               "plan; the mesh's and control groups and the build at the boundary)")
+    out.append(f"                           {s['as_built']:.3f} s as dynatrain forms ahead today (the world with "
+               "its mesh's groups, and the plan; the control group and the build at the boundary)")
     return out
 
 

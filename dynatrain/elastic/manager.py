@@ -289,11 +289,11 @@ class ElasticManager:
         """A connection of its own to the job's store, for a thread (a connection serves one thread)."""
         return connect(self.endpoint, self.token, timeout=self.config.timeout)
 
-    def form_ahead(self, members: list[str]) -> NextGeneration:
-        """Start forming the next generation of ``members`` (in rank order, this process one of them) on a
-        background thread with its own store connection, while the current one trains."""
+    def form_ahead(self, members: list[str], subgroups=()) -> NextGeneration:
+        """Start forming the next generation of ``members`` (in rank order, this process one of them), and its
+        ``subgroups``, on a background thread with its own store connection, while the current one trains."""
         assert self.world is not None
-        return self.world.form_ahead(self.new_connection, members)
+        return self.world.form_ahead(self.new_connection, members, subgroups=subgroups)
 
     def agree_on_survivors(self, info: dict) -> dict[str, dict]:
         """After a fault: which members of the current generation are still there, each with its ``info``.
@@ -366,9 +366,11 @@ class ElasticManager:
             return t, None  # the world forms first, with the members, while they train; the payload comes after
         return t, json.loads(self.store.get(f"elastic/switch/{t.generation}").decode())
 
-    def await_payload(self, t: WorldChange) -> dict:
+    def await_payload(self, t: WorldChange, on_wait: Callable[[float], None] | None = None) -> dict:
         """A joiner admitted to a change formed ahead, in its world already: the payload rank 0 publishes at the
-        switch's boundary (a TimeoutError if the members dropped the change instead)."""
+        switch's boundary (a TimeoutError if the members dropped the change instead). ``on_wait``: as for
+        `await_admission`; a joiner is admitted to a formation as soon as it is ready, often before rank 0 has
+        published the change's intent, so it prepares here what it could not before."""
         key, deadline = f"elastic/switch/{t.generation}", time.monotonic() + self.config.timeout
         while not self._check_alive([key]):
             if self.store.check([FINISHED_KEY]):
@@ -381,6 +383,8 @@ class ElasticManager:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"joiner {self.member_id}: the members formed generation {t.generation} with it "
                                    f"but did not switch within {self.config.timeout:.0f}s")
+            if on_wait is not None:
+                on_wait(time.monotonic())
             time.sleep(PAYLOAD_POLL)
         return json.loads(self.store.get(key).decode())
 

@@ -8,7 +8,8 @@ trains (the store rendezvous; gloo's full-mesh connect and a first collective, N
 and registered as the default group only at the boundary (`install`), in the place the current generation's groups
 held.
 Those are detached from torch's registry at that moment and shut down on a background thread (`retire`): no barrier
-and no wait inside the stall.
+and no wait inside the stall. The groups of the next layout's mesh are formed the same way, beside the world's, and
+registered with it (`form_group`'s ``subgroups``, `formed_subgroup`).
 
 The group is named and prefixed in the store exactly as `init_process_group` names a default group on a fresh
 process ("0", then the device), and torch's group counter is left where `init_process_group` leaves it, so every
@@ -20,7 +21,7 @@ are the ones `init_process_group` and `destroy_process_group` themselves maintai
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -33,7 +34,8 @@ DEFAULT_NAME = "0"  # `init_process_group`'s name for the default group of a pro
 
 @dataclass
 class FormedGroup:
-    """A generation's group, connected and through its first collective, not yet registered with torch."""
+    """A generation's group, connected and through its first collective, not yet registered with torch; with the
+    subgroups formed beside it (its mesh's, keyed by their ranks)."""
 
     group: Any  # torch.distributed.ProcessGroup
     store: Any  # the group's own prefix store, which groups made on it later rendezvous under
@@ -41,22 +43,24 @@ class FormedGroup:
     config: str  # torch's string form of the backend per device
     rank: int
     size: int
+    subgroups: dict = field(default_factory=dict)  # sorted ranks -> (ProcessGroup, its prefix store)
 
 
-def _backend(name: str, store, rank: int, size: int, timeout: timedelta):
-    """(torch's backend type, the backend object) for one backend name, as `init_process_group` makes it."""
+def _backend(name: str, store, rank: int, size: int, timeout: timedelta, group_name: str, ranks: list[int]):
+    """(torch's backend type, the backend object) for one backend name, as `init_process_group` (``ranks`` empty)
+    or `new_group` makes it."""
     kind = dist.ProcessGroup.BackendType
     if name == dist.Backend.GLOO:
         impl = dist.ProcessGroupGloo(store, rank, size, timeout=timeout)
-        impl.options.global_ranks_in_group = []
-        impl.options.group_name = DEFAULT_NAME
+        impl.options.global_ranks_in_group = ranks
+        impl.options.group_name = group_name
         out = kind.GLOO, impl
     elif name == dist.Backend.NCCL:
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = timeout
-        options.global_ranks_in_group = []
-        options.group_name = DEFAULT_NAME
+        options.global_ranks_in_group = ranks
+        options.group_name = group_name
         out = kind.NCCL, dist.ProcessGroupNCCL(store, rank, size, options)
     else:
         raise ValueError(f"a generation's group can be formed ahead with gloo or nccl, not {name!r}: pass "
@@ -65,32 +69,59 @@ def _backend(name: str, store, rank: int, size: int, timeout: timedelta):
     return out
 
 
-def form_group(store, rank: int, size: int, backend: str, timeout: timedelta,
-               device_id: torch.device | None = None) -> FormedGroup:
-    """Build a generation's group on ``store`` (every member calls this with its own rank; it returns once all of
-    them connected) and run its first collective; nothing of torch's registry changes, so any thread may call it
-    while the current generation's groups train. ``device_id``: the CUDA device an NCCL group is bound to, which
-    creates its communicator now instead of at its first collective."""
-    config = c10d.BackendConfig(dist.Backend(backend))
-    devices = config.get_device_backend_map()
-    prefix = dist.PrefixStore(f"{DEFAULT_NAME}/", store)
+def _group(prefix, rank: int, size: int, devices: dict[str, str], timeout: timedelta, name: str, ranks: list[int],
+           device_id: torch.device | None):
+    """A process group over ``prefix`` with one backend per backend name of ``devices``, connected and through its
+    first collective."""
     group = dist.ProcessGroup(prefix, rank, size)
     nccl = dist.Backend.NCCL in devices.values()
     group._set_default_backend(dist.ProcessGroup.BackendType.NCCL if nccl else dist.ProcessGroup.BackendType.GLOO)
     if device_id is not None:
         group.bound_device_id = device_id
-        torch.cuda.set_device(device_id)  # this thread's current device, where the communicator is created
     made: dict[str, tuple] = {}
-    for device, name in devices.items():
-        if name not in made:  # one backend serves every device that names it, under the first one's prefix
-            made[name] = _backend(name, dist.PrefixStore(f"{device}/", prefix), rank, size, timeout)
-        group._register_backend(torch.device(device), *made[name])
-    group._set_group_name(DEFAULT_NAME)
-    group._set_group_desc("default_pg")
+    for device, backend in devices.items():
+        if backend not in made:  # one backend serves every device that names it, under the first one's prefix
+            made[backend] = _backend(backend, dist.PrefixStore(f"{device}/", prefix), rank, size, timeout, name,
+                                     ranks)
+        group._register_backend(torch.device(device), *made[backend])
+    group._set_group_name(name)
     if device_id is not None and group._get_backend(device_id).supports_splitting:
         group._get_backend(device_id).eager_connect_single_device(device_id)
     first_collective(group, devices)
-    return FormedGroup(group, prefix, backend, str(config), rank, size)
+    return group
+
+
+def subgroup_name(ranks: tuple[int, ...]) -> str:
+    """The name of a subgroup formed ahead: from its ranks, the same on each of them; torch's own names are
+    numbers."""
+    return "ahead:" + ",".join(str(r) for r in ranks)
+
+
+def form_group(store, rank: int, size: int, backend: str, timeout: timedelta,
+               device_id: torch.device | None = None, subgroups=()) -> FormedGroup:
+    """Build a generation's group on ``store`` (every member calls this with its own rank; it returns once all of
+    them connected) and run its first collective; nothing of torch's registry changes, so any thread may call it
+    while the current generation's groups train. ``device_id``: the CUDA device an NCCL group is bound to, which
+    creates its communicator now instead of at its first collective. ``subgroups``: rank lists (of this group's
+    ranks) of groups to form too, this process in those that hold its rank, in the order given: every process
+    passes the same list."""
+    config = c10d.BackendConfig(dist.Backend(backend))
+    devices = config.get_device_backend_map()
+    prefix = dist.PrefixStore(f"{DEFAULT_NAME}/", store)
+    if device_id is not None:
+        torch.cuda.set_device(device_id)  # this thread's current device, where the communicators are created
+    group = _group(prefix, rank, size, devices, timeout, DEFAULT_NAME, [], device_id)
+    group._set_group_desc("default_pg")
+    formed = FormedGroup(group, prefix, backend, str(config), rank, size)
+    for ranks in subgroups:
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if rank in ranks and ranks not in formed.subgroups:
+            name = subgroup_name(ranks)
+            sub_prefix = dist.PrefixStore(f"{name}/", prefix)
+            sub = _group(sub_prefix, ranks.index(rank), len(ranks), devices, timeout, name, list(ranks), device_id)
+            sub._set_group_desc("mesh_formed_ahead")
+            formed.subgroups[ranks] = sub, sub_prefix
+    return formed
 
 
 def first_collective(group, devices: dict[str, str]) -> None:
@@ -123,6 +154,7 @@ def detach_all() -> list:
     for group in old:
         _detach(group)
     c10d._update_default_pg(None)
+    _formed.clear()
     world.group_count = 0  # as `destroy_process_group` leaves it: later groups are named alike on every member
     return old
 
@@ -144,7 +176,32 @@ def install(formed: FormedGroup) -> list:
     world.pg_to_tag[group] = f"ptd:{name}"
     c10d._update_default_pg(group)
     world.pg_group_ranks[group] = {i: i for i in range(formed.size)}
+    for ranks, (sub, sub_store) in formed.subgroups.items():
+        world.pg_map[sub] = (dist.Backend(formed.backend), sub_store)
+        world.pg_names[sub] = sub.group_name
+        world.pg_backend_config[sub] = formed.config
+        world.pg_group_ranks[sub] = {r: i for i, r in enumerate(ranks)}
+        c10d._register_process_group(sub.group_name, sub)
+        world.tags_to_pg.setdefault("", []).append(sub)
+        world.tags_to_pg.setdefault(f"ptd:{sub.group_name}", []).append(sub)
+        world.pg_to_tag[sub] = f"ptd:{sub.group_name}"
+        _formed[ranks] = sub
     return old
+
+
+_formed: dict = {}  # the current generation's subgroups formed ahead, by their ranks
+
+
+def has_formed_subgroups() -> bool:
+    """Whether the current generation was formed with subgroups (`form_group`)."""
+    return bool(_formed)
+
+
+def formed_subgroup(ranks) -> Any | None:
+    """The current generation's group of ``ranks`` (any order) formed with it ahead, or None (also once destroyed:
+    a mesh retired on NCCL destroys its groups)."""
+    group = _formed.get(tuple(sorted(int(r) for r in ranks)))
+    return group if group is not None and group in c10d._world.pg_names else None
 
 
 _retired: list = []  # ended groups stay referenced: their destructors then never run inside a step or the stall

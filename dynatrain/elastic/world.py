@@ -88,10 +88,12 @@ def _wait_for(store, keys: list[str], deadline: float, cancel: threading.Event |
 
 
 def _arrive_and_form(store, generation: int, member_id: str, members: tuple[str, ...], timeout: float,
-                     backend: str, key: str | None = None, cancel: threading.Event | None = None) -> FormedGroup:
+                     backend: str, key: str | None = None, cancel: threading.Event | None = None,
+                     subgroups=()) -> FormedGroup:
     """Every member of generation ``generation`` meets under its prefix of the store (``key``, default
-    ``gen{generation}``), then they form its group (not registered with torch yet: `next_world.install`). Any
-    thread may run it, with its own connection to the store; ``cancel`` set ends its wait for the others."""
+    ``gen{generation}``), then they form its group and its ``subgroups`` (`next_world.form_group`; not registered
+    with torch yet: `next_world.install`). Any thread may run it, with its own connection to the store; ``cancel``
+    set ends its wait for the others."""
     key = key or f"gen{generation}"
     deadline = time.monotonic() + timeout
     ours = dist.PrefixStore(f"{key}/dynatrain/", store)
@@ -116,7 +118,7 @@ def _arrive_and_form(store, generation: int, member_id: str, members: tuple[str,
     try:
         # The group's timeout is also every later collective's: the full timeout, not what the wait left.
         return form_group(dist.PrefixStore(f"{key}/pg/", store), members.index(member_id), len(members),
-                          backend, timedelta(seconds=timeout), **_bound_device(backend))
+                          backend, timedelta(seconds=timeout), subgroups=subgroups, **_bound_device(backend))
     except RuntimeError as e:
         # Every member arrived, so a failure here means one died or hung between arriving and connecting.
         kind = TimeoutError if "timeout" in str(e).lower() or "timed out" in str(e).lower() else RuntimeError
@@ -145,9 +147,10 @@ class WorldGeneration:
 
     @classmethod
     def join(cls, store, generation: int, member_id: str, members: Iterable[str], timeout: float = 60.0,
-             backend: str | None = None, ordered: bool = False, key: str | None = None) -> "WorldGeneration":
+             backend: str | None = None, ordered: bool = False, key: str | None = None, subgroups=()
+             ) -> "WorldGeneration":
         """Form generation ``generation`` as the default process group; every member calls this (or, on a member
-        of the current generation, `form_ahead`: then with its ``key``).
+        of the current generation, `form_ahead`: then with its ``key`` and ``subgroups``).
 
         Ranks follow the sorted member list, or the list as given with ``ordered``. Raises ``TimeoutError``
         naming the absent members when not all of them arrive within ``timeout`` seconds.
@@ -160,7 +163,7 @@ class WorldGeneration:
             raise RuntimeError("a process group is already initialised: leave the current generation first "
                                "(WorldGeneration.leave or next_generation)")
         backend = backend or default_backend()
-        formed = _arrive_and_form(store, generation, member_id, members, timeout, backend, key)
+        formed = _arrive_and_form(store, generation, member_id, members, timeout, backend, key, subgroups=subgroups)
         next_world.install(formed)  # looked up here: a test's checker wraps it as it wraps init_process_group
         return cls(store, generation, members, member_id, backend, timeout)
 
@@ -192,11 +195,13 @@ class WorldGeneration:
         gc.collect()
         return True
 
-    def form_ahead(self, connect: Callable[[], Any], members: Iterable[str], generation: int | None = None
-                   ) -> "NextGeneration":
+    def form_ahead(self, connect: Callable[[], Any], members: Iterable[str], generation: int | None = None,
+                   subgroups=()) -> "NextGeneration":
         """Start forming generation ``generation`` (default: the next) of ``members`` (in rank order) on a
         background thread, with its own connection to the store (``connect``), while this one trains on; every
-        member of it calls this or `join` for the same generation. This process must be one of ``members``."""
+        member of it calls this or `join` for the same generation. This process must be one of ``members``.
+        ``subgroups``: rank lists of the groups to form with it (its mesh's: `models.mesh_groups.layout_groups`),
+        the same on every member."""
         members = _ordered(members)
         if self.member_id not in members:
             raise ValueError(f"member {self.member_id!r} forms generation of {list(members)} without being in it")
@@ -211,10 +216,11 @@ class WorldGeneration:
 
         def form() -> tuple[FormedGroup, int]:
             store = connect()
-            formed = _arrive_and_form(store, generation, me, members, timeout, backend, key, cancel)
+            formed = _arrive_and_form(store, generation, me, members, timeout, backend, key, cancel, subgroups)
             return formed, processes_on_host(store, me, members)  # read here, not in the stall
 
-        return NextGeneration(generation, members, Background(key, form, "dynatrain-form-world"), key, cancel)
+        return NextGeneration(generation, members, Background(key, form, "dynatrain-form-world"), key, cancel,
+                              tuple(tuple(g) for g in subgroups))
 
     def enter(self, ahead: "NextGeneration", timeout: float | None = None) -> "WorldGeneration":
         """This process's world becomes generation ``ahead`` (formed in the background; waited for here if it is
@@ -267,6 +273,7 @@ class NextGeneration:
     formation: Background  # of (the `FormedGroup`, how many of its members share this process's host)
     key: str  # its keys in the store, which a joiner forming it with the members takes from the announcement
     cancel: threading.Event  # set: a formation still waiting for its members gives up
+    subgroups: tuple = ()  # rank lists of the groups formed with it, which a joiner forms too
 
     @property
     def host_processes(self) -> int:
@@ -282,7 +289,7 @@ class NextGeneration:
                 formed, _ = formation.result()
             except Exception:  # noqa: BLE001 - nothing formed, nothing to end
                 return
-            next_world.retire([formed.group], wait=True)
+            next_world.retire([formed.group, *(sub for sub, _ in formed.subgroups.values())], wait=True)
 
         threading.Thread(target=end, name="dynatrain-discard-world", daemon=True).start()
 
@@ -298,6 +305,7 @@ class WorldChange:
     new: tuple[str, ...]
     order: tuple[str, ...] | None = None  # the target generation's rank order (default: sorted)
     key: str | None = None  # the target's keys in the store, when formed ahead (`WorldGeneration.form_ahead`)
+    subgroups: tuple = ()  # rank lists of the groups formed ahead with the target
 
     @property
     def union(self) -> tuple[str, ...]:
@@ -317,25 +325,26 @@ class WorldChange:
 
     def to_json(self) -> str:
         return canonical_json({"generation": self.generation, "old": self.old, "new": self.new, "order": self.order,
-                       "key": self.key})
+                               "key": self.key, "subgroups": [list(g) for g in self.subgroups]})
 
     @classmethod
     def from_json(cls, text: str) -> "WorldChange":
         d = json.loads(text)
         order = _ordered(d["order"]) if d.get("order") else None
-        return cls(d["generation"], _members(d["old"]), _members(d["new"]), order, d.get("key"))
+        return cls(d["generation"], _members(d["old"]), _members(d["new"]), order, d.get("key"),
+                   tuple(tuple(g) for g in d.get("subgroups", ())))
 
 
 def plan_union_then_target(generation: int, old: Iterable[str], new: Iterable[str],
-                           order: Iterable[str] | None = None, key: str | None = None) -> WorldChange:
+                           order: Iterable[str] | None = None, key: str | None = None, subgroups=()) -> WorldChange:
     """The world change from the current generation ``generation`` with ``old`` to ``new`` (ranked by ``order``;
-    ``key``: the target formed ahead under these keys)."""
+    ``key``: the target formed ahead under these keys, with these ``subgroups``)."""
     new = _members(new)
     if order is not None:
         order = _ordered(order)
         if set(order) != set(new):
             raise ValueError(f"order {list(order)} is not an arrangement of the new members {list(new)}")
-    return WorldChange(generation + 1, _members(old), new, order, key)
+    return WorldChange(generation + 1, _members(old), new, order, key, tuple(tuple(g) for g in subgroups))
 
 
 def announce(store, t: WorldChange) -> None:
@@ -403,8 +412,10 @@ def run_world_change(t: WorldChange, world: WorldGeneration | None = None, store
                                  f"member formed {getattr(ahead, 'members', None)} ahead")
             current = current.enter(ahead, timeout)
         elif current is None:
+            last = i == len(steps) - 1
             current = WorldGeneration.join(store, t.generation + i, member_id, members, timeout, backend,
-                                           ordered=True, key=t.key if i == len(steps) - 1 else None)
+                                           ordered=True, key=t.key if last else None,
+                                           subgroups=t.subgroups if last and t.key else ())
         else:
             current = current.next_generation(members, timeout, ordered=True)
         if current is None:

@@ -117,6 +117,7 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         # positions[i] is the process at mesh position i (default order (r*S + s)*T + t); a switch may permute it.
         self.positions: list[int] | None = None
         self.switch_reports: list = []
+        self.join_report = None  # the switch by which this process joined the job, if it did (`SwitchReport.joined`)
         self.recovery_reports: list = []  # processes lost while training, and how the survivors went on
         self._switcher = None
         # What moves a switch's bytes: the engine's transfer, or the one fault injection or a benchmark hands in.

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 
 from dynatrain.check.verify import SwitchVerificationError
+from dynatrain.strategies.pool_notice import WorkingMemoryNotice
 from dynatrain.switch.recovery import WorldChangeError, is_peer_loss
 
 
@@ -105,6 +106,7 @@ def _wrap_advance(switching: Switching, loop) -> None:
     counts as consumed and its step runs again under the survivors' layout."""
     advance, advance_end = loop.advance, loop.on_advance_end
     skip_end = [False]
+    notice = WorkingMemoryNotice(switching.strategy)
 
     def guarded_advance(data_fetcher) -> None:
         try:
@@ -116,8 +118,10 @@ def _wrap_advance(switching: Switching, loop) -> None:
         else:
             # After every on_train_batch_end, the LightningModule's included: what the module does at the end
             # of a step (a buffer it updates, say) is part of the state that moves.
-            if switching.pending is not None and at_boundary(switching):
-                switching.run_pending()
+            if at_boundary(switching):
+                notice.at_step_end()
+                if switching.pending is not None:
+                    switching.run_pending()
             return
         # Outside the handler, without the traceback: its frames hold the step's tensors, which hold the
         # broken groups open.

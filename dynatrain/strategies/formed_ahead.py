@@ -58,10 +58,9 @@ class Watcher:
                 # Joiners that sort after every member keep the prepared plan's process ids (`ChangeInputs`).
                 if joiners is not None and min(joiners) > max(members):
                     union = tuple(sorted(set(members) | set(joiners)))
-                    target = prep.plan().target_members(union)
                     if rank0:
                         store.set(key, json.dumps(joiners))
-                    self.ahead, self.joiners = _form(manager, target, store if rank0 else None), joiners
+                    self.ahead, self.joiners = _form(manager, prep.plan(), union, store if rank0 else None), joiners
                     return
                 self._stop.wait(POLL)
         except Exception:  # noqa: BLE001 - the boundary admits and forms as without the watcher
@@ -120,21 +119,24 @@ def start(orchestrator, request, joiners: list[str]) -> bool:
     if watcher is not None and watcher.take().joiners == list(joiners) and watcher.ahead is not None:
         request.ahead, forming_step = watcher.ahead, watcher.step
     elif isinstance(prep, MemberPrep) and prep.inputs == inputs:
-        request.ahead = _form(manager, prep.plan().target_members(inputs.union), manager.store if rank0 else None)
+        request.ahead = _form(manager, prep.plan(), inputs.union, manager.store if rank0 else None)
     else:
         connect = orchestrator.intent_store()  # on rank 0: the plan's thread announces on a connection of its own
         request.prepared(MemberPrep(inputs, form=lambda plan: _form(
-            manager, plan.target_members(inputs.union), connect() if connect is not None else None)))
+            manager, plan, inputs.union, connect() if connect is not None else None)))
     request.admitted, request.forming_since, request.forming_step = list(joiners), time.monotonic(), forming_step
     return True
 
 
-def _form(manager, members: list[str], store):
-    """Start forming the generation of ``members``; with ``store`` (rank 0's), announce it to the joiners."""
-    ahead = manager.form_ahead(members)
+def _form(manager, plan, union, store):
+    """Start forming the target generation of ``plan`` (a `WorldPlan` over ``union``) with its mesh's groups; with
+    ``store`` (rank 0's), announce it to the joiners."""
+    members, subgroups = plan.target_members(union), plan.mesh_groups()
+    ahead = manager.form_ahead(members, subgroups)
     if store is not None:
         world = manager.world
-        announce(store, plan_union_then_target(world.generation, world.members, members, members, ahead.key))
+        announce(store, plan_union_then_target(world.generation, world.members, members, members, ahead.key,
+                                               subgroups))
     return ahead
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dynatrain.elastic import next_world
+from dynatrain.models.mesh_groups import mesh_from_groups, rank_groups
 from dynatrain.models.parallelize import connect_mesh_groups, init_mesh, mesh_groups
 from dynatrain.vps.parallel_config import ParallelConfig
 
@@ -23,6 +25,19 @@ def forget_old_meshes() -> None:
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
     clear_redistribute_planner_cache()
+
+
+def formed_mesh(pcfg: ParallelConfig, device_type: str, ranks: tuple[int, ...]) -> DeviceMesh | None:
+    """The mesh of ``pcfg`` over ``ranks`` from the groups formed ahead with this generation
+    (`next_world.formed_subgroup`), connected already; None unless every one of its groups was. Every rank of the
+    generation gets the same answer: they formed the same list of groups, or none."""
+    if not next_world.has_formed_subgroups() or dist.get_rank() not in ranks:
+        return None
+    groups = {name: next_world.formed_subgroup(r)
+              for name, r in rank_groups(pcfg, ranks, dist.get_rank()).items()}
+    if any(g is None for g in groups.values()):
+        return None
+    return mesh_from_groups(pcfg, ranks, groups, device_type)
 
 
 class MeshCache:
@@ -51,10 +66,13 @@ class MeshCache:
         key = (pcfg, tuple(range(pcfg.world_size)) if ranks is None else tuple(int(r) for r in ranks))
         mesh = self._meshes.get(key)
         if mesh is None:
-            # Also under Lightning's own names, so a configure_model written for ModelParallelStrategy runs unchanged.
-            mesh = init_mesh(pcfg, device.type, key[1])
-            # Before the first step: a layout's first collectives should not carry its communicators' set-up.
-            connect_mesh_groups(mesh, pcfg, device)
+            mesh = formed_mesh(pcfg, device.type, key[1])
+            if mesh is None:
+                # Also under Lightning's own names, so a configure_model written for ModelParallelStrategy runs
+                # unchanged.
+                mesh = init_mesh(pcfg, device.type, key[1])
+                # Before the first step: a layout's first collectives should not carry its communicators' set-up.
+                connect_mesh_groups(mesh, pcfg, device)
             self._meshes[key] = mesh
         return mesh
 

@@ -109,6 +109,7 @@ class SwitchOrchestrator:
         self.pending: SwitchRequest | None = None
         self.joining = None  # a joining process's switch, waiting for Lightning's set-up (`switch.joining`)
         self.join_payload: JoinPayload | None = None
+        self.join_waits: dict[str, float] = {}  # a joining process's waits before its switch (`SwitchReport.joined`)
         self.accumulation_offset = 0
         self.targets = TargetLayouts(self.ctx)
 
@@ -358,7 +359,7 @@ class SwitchOrchestrator:
 
         def form(world_plan):
             members = world_plan.target_members(inputs.union)
-            return manager.form_ahead(members) if manager.member_id in members else None
+            return manager.form_ahead(members, world_plan.mesh_groups()) if manager.member_id in members else None
 
         return form
 
@@ -402,10 +403,15 @@ class SwitchOrchestrator:
         if self.strategy.switching.verify_switches:
             warm_up_switch_check()  # its check's one-time set-up, before the members wait on it in the switch
         manager.mark_ready()
+        waits = self.join_waits = {}
+        start = time.perf_counter()
         change, payload = manager.await_admission(on_wait=prep.poll)
+        waits["admission"] = time.perf_counter() - start
         if payload is None:  # admitted to a world forming while the members train: formed now, the payload after
             manager.join_world(change, None)
-            payload = manager.await_payload(change)
+            waits["formation"] = time.perf_counter() - start - waits["admission"]
+            payload = manager.await_payload(change, on_wait=prep.poll)
+            waits["payload"] = time.perf_counter() - start - waits["admission"] - waits["formation"]
         self.join_payload = JoinPayload(**payload)
         self.joining = driver.switch_stages(self.ctx, Join(prep, change, self.join_payload),
                                             transfer=self.strategy.switch_transfer)
@@ -427,8 +433,11 @@ class SwitchOrchestrator:
     def _advance(self, value, expect: Await | None) -> None:
         try:
             waiting = self.joining.send(value)
-        except StopIteration:
+        except StopIteration as done:
             waiting = None
+            report = done.value
+            report.joined = {**self.join_waits, **report.joined}
+            self.strategy.join_report = report
         if waiting is not expect:
             raise RuntimeError(f"a joining process's switch waits for {waiting}, expected {expect}")
         if waiting is None:

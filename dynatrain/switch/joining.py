@@ -8,6 +8,7 @@ generator: it waits (`Await`) for each of them, and for the loop state Lightning
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from enum import Enum
 
@@ -32,6 +33,14 @@ class Await(Enum):
     LOOP = "Lightning restored the loop state"
 
 
+def _awaited(s: Stages, what: Await, name: str) -> Generator[Await, nn.Module | None, nn.Module | None]:
+    """Wait for ``what`` of Lightning; its seconds are the joiner's, outside the switch's phases (``name``)."""
+    start = time.perf_counter()
+    value = yield what
+    s.timer.set_aside(name, time.perf_counter() - start)
+    return value
+
+
 class Join(Move):
     def __init__(self, prep: JoinerPrep, change, payload: JoinPayload) -> None:
         self.prep, self.change, self.payload = prep, change, payload
@@ -46,21 +55,23 @@ class Join(Move):
         deferred = self.transfer_after_setup
         world = ctx.elastic.join_world(self.change, None if deferred else lambda world: self._receive(s, world))
         self._enter(ctx, world, s.planned)
-        module = yield Await.MODULE
+        module = yield from _awaited(s, Await.MODULE, "lightning_setup")
         s.built = ctx.mesh, None  # Lightning parallelised the module itself on the target mesh
         if deferred:
             self._receive(s, world)
         s.adopt_module(module)
-        optimizer = yield Await.OPTIMIZER
+        optimizer = yield from _awaited(s, Await.OPTIMIZER, "lightning_optimizer")
         # The LR schedulers' states come with the loop state Lightning restores after its set-up.
         s.adopt_optimizer(optimizer, schedulers=False)
         verified = None
         if self.payload.before is not None:  # checked against the members' checksums
             verified = s.check_after(verify.from_json(self.payload.before),
                                      self.payload.checkpoint.get("lr_schedulers", []))
-        yield Await.LOOP
+        yield from _awaited(s, Await.LOOP, "loop_restore")
         # The members report the switch; a joining process has no old layout of its own.
-        return s.report(verified, heap_trimmed=s.restart())
+        report = s.report(verified, heap_trimmed=s.restart())
+        report.joined = dict(s.timer.aside)
+        return report
 
     def plan(self, ctx: SwitchContext, held: Held | None) -> Planned:
         p = self.payload

@@ -15,8 +15,8 @@ thread.
 
 A change whose members are all known ahead (no joiner: a scale-in) also forms its target generation in the
 background once planned (`WorldGeneration.form_ahead`): torch holds one default group per process, but a group
-can be built beside it and made the default one at the boundary (`elastic.next_world`). The new mesh's groups are
-still made in the stall, on the entered generation."""
+can be built beside it and made the default one at the boundary (`elastic.next_world`), with the groups of the
+target's mesh (`WorldPlan.mesh_groups`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dynatrain.runtime import memory
 from dynatrain.runtime.background import Background
 from dynatrain.engine import torch_dtype
 from dynatrain.engine.checks import expected_destinations
+from dynatrain.models.mesh_groups import layout_groups
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
 from dynatrain.switch.payload import decode_specs, encode_specs
@@ -40,6 +41,7 @@ from dynatrain.vps.placement import Sharding
 from dynatrain.vps.parallel_config import ParallelConfig
 
 INTENT_KEY = "elastic/intent"  # rank 0's prepared plan inputs, read by waiting joiners
+WORKING_KEY = "elastic/working_bytes"  # what rank 0's steps work in (`free_working_bytes`), kept up to date
 # What a joiner's plan is computed from; the same values in the intent and in the switch payload give the same plan.
 PLAN_FIELDS = ("old", "old_ids", "target", "positions", "leave", "joiners", "budget", "specs")
 
@@ -121,6 +123,10 @@ class WorldPlan:
 
     def target_members(self, union: Sequence[str]) -> list[str]:
         return [union[p] for p in self.order]
+
+    def mesh_groups(self) -> list[tuple[int, ...]]:
+        """Every process group of the target's mesh, by rank in the target generation (formed with it ahead)."""
+        return layout_groups(self.inputs.target, self.target_ranks)
 
     def intent(self) -> dict:
         """The plan inputs a joiner needs (the fields of the switch payload it plans from)."""
@@ -261,7 +267,11 @@ class MemberPrep:
 
 class JoinerPrep:
     """A joiner's view of rank 0's intents while it waits: plans its side of the latest one and, once planned,
-    allocates the shards it will receive (given a device)."""
+    allocates the shards it will receive (given a device); and warms its allocator with the members' working memory
+    (`WORKING_KEY`, or the intent's) so that its first step does not map it page by page.
+
+    Allocating and warming run on a thread of their own, one job at a time: mapping a gigabyte takes seconds on a
+    loaded host, and the joiner's main thread must see its admission or the switch's payload the moment it comes."""
 
     POLL = 0.2  # seconds between reads of the intent
 
@@ -272,23 +282,31 @@ class JoinerPrep:
         self._next = 0.0
         self.prepared: Background | None = None
         self.ahead: dict[str, torch.Tensor] | None = None  # None: not tried for this intent; {}: tried, none
-        self.working_bytes = 0  # the members' working memory, from the latest intent
+        self.working_bytes = 0  # the members' working memory, from the latest intent or `WORKING_KEY`
         self.warmed = 0  # bytes the allocator was warmed by, in all
+        self._work: Background | None = None  # the allocation or warming under way
+        self._warmed_for = 0  # the working memory the allocator was last warmed to hold
 
     def poll(self, now: float) -> None:
         if now < self._next:
             return
         self._next = now + self.POLL
-        self._allocate_ahead()
+        if self.store.check([WORKING_KEY]):
+            self.working_bytes = max(self.working_bytes, int(self.store.get(WORKING_KEY)))
+        self._read_intent()
+        self._start_work()
+
+    def _read_intent(self) -> None:
         if not self.store.check([INTENT_KEY]):
             return
         text = self.store.get(INTENT_KEY).decode()
         if text == self._seen:
             return
         self._seen = text
+        self.settle()
         self.ahead = None  # another intent: the shards held for the last one are freed
         intent = json.loads(text)
-        self.working_bytes = int(intent.pop(WARM_KEY, 0))
+        self.working_bytes = max(self.working_bytes, int(intent.pop(WARM_KEY, 0)))
         # Which joiners are admitted is not known yet, but the plan is the same for any of them.
         self.prepared = Background(intent, lambda: plan_from_payload(intent), "dynatrain-plan-next-world")
 
@@ -298,30 +316,53 @@ class JoinerPrep:
         self.poll(self._next)
         if self.prepared is not None:
             self.prepared.wait()
-            self._allocate_ahead()
+            self.settle()
+            self._start_work()
+        self.settle()
 
-    def _allocate_ahead(self) -> None:
-        """The joiner's destinations, once the intent is planned, allocated and (on CPU) mapped while it waits:
-        at admission they would be mapped inside the members' stall. Only when every joiner the intent names would
-        receive the same shapes, since which one this process becomes is known only then. A joiner holds no other
-        shards, so this is the memory it needs at admission, taken a little earlier."""
+    def settle(self) -> None:
+        """Wait for the allocation or warming under way, if any."""
+        if self._work is not None:
+            self._work.wait()
+
+    def _start_work(self) -> None:
+        if self.device is None or (self._work is not None and not self._work.done()):
+            return
         prepared = self.prepared
-        if self.device is None or self.ahead is not None or prepared is None or not prepared.done():
+        if prepared is not None and not prepared.done():
+            return  # planned in milliseconds: its shards come first, then the warming tops the heap up
+        allocate = self.ahead is None and prepared is not None
+        if not allocate and self.working_bytes <= self._warmed_for:
             return
-        self.ahead = {}
-        try:
+        if allocate:
+            self.ahead = {}  # tried for this intent: the thread fills it in
+        self._work = Background(prepared, lambda: self._allocate_ahead(prepared if allocate else None),
+                                "dynatrain-joiner-allocate")
+
+    def _allocate_ahead(self, prepared: Background | None) -> None:
+        """The joiner's destinations, once the intent is planned (``prepared``), allocated and (on CPU) mapped while
+        it waits: at admission they would be mapped inside the members' stall. Only when every joiner the intent
+        names would receive the same shapes, since which one this process becomes is known only then. A joiner holds
+        no other shards, so this is the memory it needs at admission, taken a little earlier."""
+        allocated = False
+        if prepared is not None and prepared.error is None:
             plan, _ = prepared.result()
-        except ValueError:
-            return
-        joiners = prepared.key.get("joiners") or []
-        shapes = {json.dumps(sorted(expected_destinations(plan, j).items())) for j in joiners}
-        if len(shapes) == 1:
-            self.ahead = engine.allocate_destinations(plan, joiners[0], self.device)
-        self.warmed += warm_allocator(self.working_bytes, self.device)
+            joiners = prepared.key.get("joiners") or []
+            shapes = {json.dumps(sorted(expected_destinations(plan, j).items())) for j in joiners}
+            if len(shapes) == 1:
+                ahead = engine.allocate_destinations(plan, joiners[0], self.device)
+                allocated = True
+                if self.prepared is prepared:  # not replaced by a later intent meanwhile
+                    self.ahead = ahead
+        working = self.working_bytes
+        if allocated or working > self._warmed_for:  # the shards took from what an earlier warming left free
+            self.warmed += warm_allocator(working, self.device)
+            self._warmed_for = working
 
     def destinations_for(self, plan: SwitchPlan, me: int) -> dict[str, torch.Tensor] | None:
         """The destinations allocated while waiting when they are process ``me``'s in ``plan`` (handed over once),
         else None."""
+        self.settle()
         ahead, self.ahead = self.ahead, {}
         want = {name: (tuple(shape), torch_dtype(dtype)) for name, (shape, dtype) in
                 expected_destinations(plan, me).items()}

@@ -11,13 +11,13 @@ the states of another pipeline stage, at the first position of that stage.
 from __future__ import annotations
 
 import itertools
+import math
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
-
+from dynatrain.models.mesh_groups import mesh_from_groups
 from dynatrain.vps.parallel_config import ParallelConfig
 
 _names = itertools.count()
@@ -40,18 +40,6 @@ def _fake_group(rank: int, size: int, device_type: str, registered: list[Process
     return pg
 
 
-def _flattened_layout(layout):
-    """The one-dimensional layout of a sub-mesh, as ``DeviceMesh._flatten`` makes it without forming its group.
-    torch 2.13 keeps a mesh layout as a sequence of axes and collapses them; torch 2.11 coalesces one CuTe layout and
-    nests it when more than one mode is left."""
-    if hasattr(layout, "collapse"):
-        from torch.distributed._mesh_layout import _MeshLayout
-
-        return _MeshLayout([layout.collapse()])
-    flat = layout.coalesce()
-    return flat.nest() if len(flat) > 1 else flat
-
-
 @contextmanager
 def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu", stage: int = 0):
     """The root mesh of ``pcfg`` (with its flattened names) whose groups send nothing, with this process on pipeline
@@ -62,19 +50,15 @@ def probe_mesh(pcfg: ParallelConfig, device_type: str = "cpu", stage: int = 0):
     others = [_PROBE_RANKS + r for r in range(pcfg.world_size - 1)]
     at = stage * pcfg.stage_size
     ranks = others[:at] + [me] + others[at:]
-    ranks_t = torch.tensor(ranks, dtype=torch.int).view(pcfg.mesh_shape)
     registered: list[ProcessGroup] = []
     try:
         coordinate = [stage] + [0] * (len(pcfg.mesh_shape) - 1) if pcfg.pp > 1 else [0] * len(pcfg.mesh_shape)
-        groups = [_fake_group(c, n, device_type, registered) for c, n in zip(coordinate, pcfg.mesh_shape)]
-        mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks_t, mesh_dim_names=pcfg.mesh_dim_names)
+        groups = {name: _fake_group(c, n, device_type, registered)
+                  for name, c, n in zip(pcfg.mesh_dim_names, coordinate, pcfg.mesh_shape)}
         for name, dims in pcfg.flattened_dims().items():
-            sub = mesh[dims]
-            flat = DeviceMesh(mesh._device_type, _layout=_flattened_layout(sub._layout),
-                              _rank_map=mesh._rank_map, mesh_dim_names=(name,), _root_mesh=mesh, _init_backend=False)
-            group = _fake_group(0, sub.size(), device_type, registered)
-            flat._dim_group_names = [group.group_name]
-            mesh._flatten_mapping[name] = flat
+            size = math.prod(pcfg.mesh_shape[pcfg.mesh_dim_names.index(d)] for d in dims)
+            groups[name] = _fake_group(0, size, device_type, registered)
+        mesh = mesh_from_groups(pcfg, ranks, groups, device_type)
         yield mesh
     finally:
         for pg in registered:

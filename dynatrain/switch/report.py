@@ -49,6 +49,10 @@ class SwitchReport:
     # Seconds this rank waited at the step boundary for the slowest rank to end its step (in the agreement on the
     # states): the skew the next step's first collective absorbs without a switch, so not part of the stall.
     boundary_wait_s: float = 0.0
+    # On the process that joined the job by this switch (None elsewhere): its seconds outside the switch's phases,
+    # from ready to its first step: waiting for admission, forming the world ahead, waiting for the switch's
+    # payload, Lightning's set-up of the module and of the optimizer, and its restore of the loop.
+    joined: dict[str, float] | None = None
 
     @property
     def verify_share(self) -> float | None:
