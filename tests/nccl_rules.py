@@ -219,6 +219,12 @@ def _wrap_init(dist, c10d, original):
         _world.update(id=world.decode() if isinstance(world, bytes) else str(world), fresh=set(), host=set(),
                       control=set())
         _world["fresh"].add(dist.distributed_c10d._get_default_group().group_name)
+        from dynatrain.elastic import next_world
+
+        control = next_world.formed_control_group()  # formed with the world, through its first collective there
+        if control is not None:
+            _world["control"].add(control.group_name)
+            _world["host"].add(control.group_name)
         return result
 
     return init_process_group

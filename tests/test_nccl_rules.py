@@ -62,7 +62,7 @@ DEVICE_TRAFFIC = {
     "dynatrain/models/context_parallel.py": "a router's token counts summed over the cp group, on their device",
     "dynatrain/models/parallelize.py": "one device element per mesh group, to connect it before the first step",
     "dynatrain/strategies/pipeline_runner.py": "the last stage's loss, on the device",
-    "dynatrain/strategies/dynatrain.py": "one device element on a new world's default group: its first operation",
+    "dynatrain/elastic/next_world.py": "one device element on a new world's default group: its first operation",
     "dynatrain/lm/causal_lm.py": "the step's losses and router counts, on the device",
     "dynatrain/callbacks/snapshot.py": "commit flags on the root device; DCP on a gloo group of its own",
     "dynatrain/callbacks/reference.py": "a barrier on a gloo group of its own",

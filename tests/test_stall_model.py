@@ -70,7 +70,8 @@ def test_formation_ahead_never_above_in_stall(target, joining):
     assert 0 <= s.ahead <= s.in_stall
     assert s.in_stall - s.ahead == pytest.approx(s.formation + s.build + s.plan)
     assert s.ahead == pytest.approx(s.transfer + s.check)
-    assert s.as_built == pytest.approx(s.in_stall - s.world - s.mesh - s.plan)
+    assert s.as_built == pytest.approx(s.in_stall - s.world - s.mesh - s.control - s.plan)
+    assert s.as_built == pytest.approx(s.build + s.transfer + s.check)
     assert s.ahead <= s.as_built <= s.in_stall
     union = 128 + joining > ParallelConfig.parse(target).world_size  # someone leaves as others join
     assert s.worlds == 1 + (joining > 0 and union)

@@ -236,7 +236,7 @@ def _stall_lines(s: dict) -> list[str]:
     out.append(f"predicted stall            {s['in_stall']:.3f} s with the formation in the stall, {s['ahead']:.3f} s "
                "with it done ahead (formation, build and plan before the boundary)")
     out.append(f"                           {s['as_built']:.3f} s as dynatrain forms ahead today (the world with "
-               "its mesh's groups, and the plan; the control group and the build at the boundary)")
+               "its mesh's and control groups, and the plan; the build at the boundary)")
     return out
 
 

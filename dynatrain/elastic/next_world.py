@@ -29,7 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from dynatrain.runtime.control_group import new_control_group
+
 DEFAULT_NAME = "0"  # `init_process_group`'s name for the default group of a process with no group yet
+CONTROL_NAME = "control"
 
 
 @dataclass
@@ -44,6 +47,7 @@ class FormedGroup:
     rank: int
     size: int
     subgroups: dict = field(default_factory=dict)  # sorted ranks -> (ProcessGroup, its prefix store)
+    control: tuple | None = None  # (a gloo group of every rank, its prefix store): the world's control group
 
 
 def _backend(name: str, store, rank: int, size: int, timeout: timedelta, group_name: str, ranks: list[int]):
@@ -113,6 +117,11 @@ def form_group(store, rank: int, size: int, backend: str, timeout: timedelta,
     group = _group(prefix, rank, size, devices, timeout, DEFAULT_NAME, [], device_id)
     group._set_group_desc("default_pg")
     formed = FormedGroup(group, prefix, backend, str(config), rank, size)
+    # The control group (`runtime.control_group`): gloo over every rank whatever the world's backend.
+    control_prefix = dist.PrefixStore(f"{CONTROL_NAME}/", prefix)
+    control = _group(control_prefix, rank, size, {"cpu": "gloo"}, timeout, CONTROL_NAME, list(range(size)), None)
+    control._set_group_desc("control")
+    formed.control = control, control_prefix
     for ranks in subgroups:
         ranks = tuple(sorted(int(r) for r in ranks))
         if rank in ranks and ranks not in formed.subgroups:
@@ -155,6 +164,7 @@ def detach_all() -> list:
         _detach(group)
     c10d._update_default_pg(None)
     _formed.clear()
+    _control.clear()
     world.group_count = 0  # as `destroy_process_group` leaves it: later groups are named alike on every member
     return old
 
@@ -163,33 +173,56 @@ def install(formed: FormedGroup) -> list:
     """Make ``formed`` torch's default group; returns the groups of the generation it replaces, detached from
     torch's registry but not ended (see `retire`). Call it on the main thread, at a boundary, with no collective of
     the current generation in flight."""
-    world = c10d._world
     old = detach_all()
-    name = c10d._process_group_name([], use_hashed_name=False)
-    group = formed.group
-    world.pg_map[group] = (dist.Backend(formed.backend), formed.store)
-    world.pg_names[group] = name
-    world.pg_backend_config[group] = formed.config
-    c10d._register_process_group(name, group)
-    world.tags_to_pg.setdefault("", []).append(group)
-    world.tags_to_pg.setdefault(f"ptd:{name}", []).append(group)
-    world.pg_to_tag[group] = f"ptd:{name}"
+    group, everyone = formed.group, range(formed.size)
+    _register(group, formed.store, formed.backend, formed.config, c10d._process_group_name([], use_hashed_name=False),
+              everyone)
     c10d._update_default_pg(group)
-    world.pg_group_ranks[group] = {i: i for i in range(formed.size)}
+    if formed.control is not None:
+        control, store = formed.control
+        _register(control, store, "gloo", "cpu:gloo", CONTROL_NAME, everyone)
+        _control.append(control)
     for ranks, (sub, sub_store) in formed.subgroups.items():
-        world.pg_map[sub] = (dist.Backend(formed.backend), sub_store)
-        world.pg_names[sub] = sub.group_name
-        world.pg_backend_config[sub] = formed.config
-        world.pg_group_ranks[sub] = {r: i for i, r in enumerate(ranks)}
-        c10d._register_process_group(sub.group_name, sub)
-        world.tags_to_pg.setdefault("", []).append(sub)
-        world.tags_to_pg.setdefault(f"ptd:{sub.group_name}", []).append(sub)
-        world.pg_to_tag[sub] = f"ptd:{sub.group_name}"
+        _register(sub, sub_store, formed.backend, formed.config, sub.group_name, ranks)
         _formed[ranks] = sub
     return old
 
 
+def _register(group, store, backend: str, config: str, name: str, ranks) -> None:
+    """``group`` (of global ``ranks``) in torch's registry, as `init_process_group` or `new_group` enters one."""
+    world = c10d._world
+    world.pg_map[group] = (dist.Backend(backend), store)
+    world.pg_names[group] = name
+    world.pg_backend_config[group] = config
+    world.pg_group_ranks[group] = {int(r): i for i, r in enumerate(ranks)}
+    c10d._register_process_group(name, group)
+    world.tags_to_pg.setdefault("", []).append(group)
+    world.tags_to_pg.setdefault(f"ptd:{name}", []).append(group)
+    world.pg_to_tag[group] = f"ptd:{name}"
+
+
 _formed: dict = {}  # the current generation's subgroups formed ahead, by their ranks
+_control: list = []  # the current generation's control group, formed with it
+
+
+def formed_control_group() -> Any | None:
+    """The current generation's control group, formed with it (`form_group`), or None (a world torch's
+    `init_process_group` made)."""
+    group = _control[-1] if _control else None
+    return group if group is not None and group in c10d._world.pg_names else None
+
+
+def world_control_group(device: torch.device, timeout: timedelta | None = None):
+    """Right after a world forms, on every rank of it, at the same point: one collective on the default group, so
+    that its first operation is one every rank joins (NCCL sets a communicator up at its first use and waits for
+    every rank there; the first could otherwise be a switch's send, which a rank with nothing to send never posts),
+    then the world's control group (`runtime.control_group`): the one formed with it, else a new one. None without a
+    world."""
+    if not dist.is_initialized():
+        return None
+    dist.all_reduce(torch.zeros(1, device=device))
+    formed = formed_control_group()
+    return formed if formed is not None else new_control_group(timeout)
 
 
 def has_formed_subgroups() -> bool:

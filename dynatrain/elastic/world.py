@@ -289,7 +289,9 @@ class NextGeneration:
                 formed, _ = formation.result()
             except Exception:  # noqa: BLE001 - nothing formed, nothing to end
                 return
-            next_world.retire([formed.group, *(sub for sub, _ in formed.subgroups.values())], wait=True)
+            groups = [formed.group, *([formed.control[0]] if formed.control else []),
+                      *(sub for sub, _ in formed.subgroups.values())]
+            next_world.retire(groups, wait=True)
 
         threading.Thread(target=end, name="dynatrain-discard-world", daemon=True).start()
 

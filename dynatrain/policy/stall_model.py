@@ -192,9 +192,9 @@ class StallPrediction:
 
     @property
     def as_built(self) -> float:
-        """What dynatrain does ahead today for a world change known ahead: the world with its mesh's groups, and
-        the plan; the control group and the build stay at the boundary."""
-        return self.in_stall - self.world - self.mesh - self.plan
+        """What dynatrain does ahead today for a world change known ahead: the world with its mesh's groups and
+        its control group, and the plan; the build stays at the boundary."""
+        return self.in_stall - self.formation - self.plan
 
     def as_dict(self) -> dict:
         out = asdict(self)

@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,7 +31,7 @@ from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, paralleli
 from dynatrain.models.context_parallel import check_context_parallel
 from dynatrain.models.parallelize import ParallelizeOptions, materialize_model
 from dynatrain.models.registry import zoo_config_of
-from dynatrain.runtime.control_group import new_control_group
+from dynatrain.elastic.next_world import world_control_group
 from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit
@@ -239,15 +238,8 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
         return process_group_timeout(self)
 
     def form_control_group(self) -> None:
-        """Right after a world forms, on every rank: a collective on the default group, so that its first operation
-        is one every rank joins (NCCL sets a communicator up at its first use and waits for every rank there; the
-        first could otherwise be a switch's send, which a rank with nothing to send never posts), then the world's
-        control group."""
-        if not dist.is_initialized():
-            self.control_group = None
-            return
-        dist.all_reduce(torch.zeros(1, device=self.root_device))
-        self.control_group = new_control_group(self.group_timeout)
+        """Right after a world forms, on every rank: its control group (`next_world.world_control_group`)."""
+        self.control_group = world_control_group(self.root_device, self.group_timeout)
 
     def member_info(self) -> dict:
         from dynatrain.runtime.version import __version__
