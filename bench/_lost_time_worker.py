@@ -108,8 +108,8 @@ class Decide(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.mode == "online" and (not trainer.strategy._switcher.at_boundary()
-                                      or trainer.strategy._switcher.pending is not None):
+        if self.mode == "online" and (not trainer.strategy.at_step_boundary()
+                                      or trainer.strategy.switch_pending):
             return
         i, due = self.next_decision(trainer)
         if step < due or i in self.requested:

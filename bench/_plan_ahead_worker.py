@@ -33,11 +33,11 @@ class Requests(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        if not strategy._switcher.at_boundary():
+        if not strategy.at_step_boundary():
             return
         step = trainer.global_step
         self.ends[step] = time.time()
-        if self.next < len(self.chain) and step == self.next * self.every and strategy._switcher.pending is None:
+        if self.next < len(self.chain) and step == self.next * self.every and not strategy.switch_pending:
             t0 = time.perf_counter()
             strategy.request_switch(self.chain[self.next], plan_ahead=self.ahead)
             self.request_s.append(time.perf_counter() - t0)

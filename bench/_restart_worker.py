@@ -174,11 +174,11 @@ class Actions(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        if not strategy._switcher.at_boundary():
+        if not strategy.at_step_boundary():
             return
         step = trainer.global_step
         self._signal(strategy, step)
-        if strategy._switcher.pending is not None:
+        if strategy.switch_pending:
             return  # a scale-out waiting for its joiners
         done = len(strategy.switch_reports) + self.done_before
         if strategy.switch_reports:

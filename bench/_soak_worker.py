@@ -132,8 +132,7 @@ class Soak(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        switcher = strategy._switcher
-        if self.requested and switcher.pending is None:  # the switch requested last time has run
+        if self.requested and not strategy.switch_pending:  # the switch requested last time has run
             self.requested = False
             self.done += 1
             report = strategy.switch_reports[-1]
@@ -152,7 +151,7 @@ class Soak(pl.Callback):
                 self._tracemalloc()
         if self.done == 0 and not self.samples:
             self.samples.append(sample(strategy, 0, trainer.global_step, self.trim))  # before any switch
-        if (self.done >= self.total or self.requested or not switcher.at_boundary()
+        if (self.done >= self.total or self.requested or not strategy.at_step_boundary()
                 or trainer.global_step - self.last_request_step < self.every):
             return
         target = self.cycle[(self.done + 1) % len(self.cycle)]  # the cycle starts at the initial layout

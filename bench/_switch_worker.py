@@ -258,7 +258,7 @@ class SwitchBench(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
         step = trainer.global_step
-        if not strategy._switcher.at_boundary():
+        if not strategy.at_step_boundary():
             return
         now = time.perf_counter()
         if self._last is not None and self._last[0] != step:

@@ -343,22 +343,11 @@ class ElasticManager:
         """A joiner: block until admitted (or dropped); return the world change and the switch payload.
         ``on_wait(monotonic time)`` runs between polls (a joiner prepares its plan there). Admitted, it has its
         normal priority back before it enters the world."""
-        deadline = time.monotonic() + self.config.join_timeout
-        admit = f"admit/{self.member_id}"
         try:
-            # Poll with check(): a store wait() that times out logs a warning every time.
-            while not self._check_alive([admit]):
-                if self.store.check([FINISHED_KEY]):
-                    raise JobEnded(f"joiner {self.member_id}: the job finished before admitting it")
-                if self.store.check([f"elastic/dropped/{self.member_id}"]):
-                    reason = self.store.get(f"elastic/dropped/{self.member_id}").decode()
-                    raise TimeoutError(f"joiner {self.member_id} was dropped by the job: {reason}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"joiner {self.member_id} was not admitted within "
-                                       f"{self.config.join_timeout:.0f}s: no scale-out of the job asked for it")
-                if on_wait is not None:
-                    on_wait(time.monotonic())
-                time.sleep(ADMISSION_POLL)
+            self._poll_for(f"admit/{self.member_id}", self.config.join_timeout, ADMISSION_POLL, on_wait,
+                           ended=f"joiner {self.member_id}: the job finished before admitting it",
+                           late=f"joiner {self.member_id} was not admitted within {self.config.join_timeout:.0f}s: no "
+                                "scale-out of the job asked for it")
         finally:
             priority.restore()
         t = await_admission(self.store, self.member_id, timeout=self.config.timeout)
@@ -371,22 +360,31 @@ class ElasticManager:
         switch's boundary (a TimeoutError if the members dropped the change instead). ``on_wait``: as for
         `await_admission`; a joiner is admitted to a formation as soon as it is ready, often before rank 0 has
         published the change's intent, so it prepares here what it could not before."""
-        key, deadline = f"elastic/switch/{t.generation}", time.monotonic() + self.config.timeout
+        key = f"elastic/switch/{t.generation}"
+        self._poll_for(key, self.config.timeout, PAYLOAD_POLL, on_wait,
+                       ended=f"joiner {self.member_id}: the job finished before it switched to generation "
+                             f"{t.generation}, which this process had formed with its members",
+                       late=f"joiner {self.member_id}: the members formed generation {t.generation} with it but did "
+                            f"not switch within {self.config.timeout:.0f}s")
+        return json.loads(self.store.get(key).decode())
+
+    def _poll_for(self, key: str, seconds: float, poll: float, on_wait: Callable[[float], None] | None, ended: str,
+                  late: str) -> None:
+        """A joiner: until ``key`` is in the store, poll it every ``poll`` seconds with check() (a store wait() that
+        times out logs a warning every time), ``on_wait`` between polls. `JobEnded` (``ended``) once the job has
+        finished; a TimeoutError once the job dropped this joiner, or after ``seconds`` (``late``)."""
+        deadline, dropped = time.monotonic() + seconds, f"elastic/dropped/{self.member_id}"
         while not self._check_alive([key]):
             if self.store.check([FINISHED_KEY]):
-                raise JobEnded(f"joiner {self.member_id}: the job finished before it switched to generation "
-                               f"{t.generation}, which this process had formed with its members")
-            dropped = f"elastic/dropped/{self.member_id}"
+                raise JobEnded(ended)
             if self.store.check([dropped]):
                 raise TimeoutError(f"joiner {self.member_id} was dropped by the job: "
                                    f"{self.store.get(dropped).decode()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"joiner {self.member_id}: the members formed generation {t.generation} with it "
-                                   f"but did not switch within {self.config.timeout:.0f}s")
+                raise TimeoutError(late)
             if on_wait is not None:
                 on_wait(time.monotonic())
-            time.sleep(PAYLOAD_POLL)
-        return json.loads(self.store.get(key).decode())
+            time.sleep(poll)
 
     def _check_alive(self, keys: list[str]) -> bool:
         """``store.check``, where a store that is gone means the job ended (its store lives with it)."""

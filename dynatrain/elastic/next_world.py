@@ -49,6 +49,11 @@ class FormedGroup:
     subgroups: dict = field(default_factory=dict)  # sorted ranks -> (ProcessGroup, its prefix store)
     control: tuple | None = None  # (a gloo group of every rank, its prefix store): the world's control group
 
+    @property
+    def groups(self) -> list:
+        """Every group formed: the world's first, as torch's registry lists a generation's."""
+        return [self.group, *([self.control[0]] if self.control else []), *(g for g, _ in self.subgroups.values())]
+
 
 def _backend(name: str, store, rank: int, size: int, timeout: timedelta, group_name: str, ranks: list[int]):
     """(torch's backend type, the backend object) for one backend name, as `init_process_group` (``ranks`` empty)

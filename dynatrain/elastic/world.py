@@ -219,8 +219,7 @@ class WorldGeneration:
             formed = _arrive_and_form(store, generation, me, members, timeout, backend, key, cancel, subgroups)
             return formed, processes_on_host(store, me, members)  # read here, not in the stall
 
-        return NextGeneration(generation, members, Background(key, form, "dynatrain-form-world"), key, cancel,
-                              tuple(tuple(g) for g in subgroups))
+        return NextGeneration(generation, members, Background(key, form, "dynatrain-form-world"), key, cancel)
 
     def enter(self, ahead: "NextGeneration", timeout: float | None = None) -> "WorldGeneration":
         """This process's world becomes generation ``ahead`` (formed in the background; waited for here if it is
@@ -273,7 +272,6 @@ class NextGeneration:
     formation: Background  # of (the `FormedGroup`, how many of its members share this process's host)
     key: str  # its keys in the store, which a joiner forming it with the members takes from the announcement
     cancel: threading.Event  # set: a formation still waiting for its members gives up
-    subgroups: tuple = ()  # rank lists of the groups formed with it, which a joiner forms too
 
     @property
     def host_processes(self) -> int:
@@ -289,9 +287,7 @@ class NextGeneration:
                 formed, _ = formation.result()
             except Exception:  # noqa: BLE001 - nothing formed, nothing to end
                 return
-            groups = [formed.group, *([formed.control[0]] if formed.control else []),
-                      *(sub for sub, _ in formed.subgroups.values())]
-            next_world.retire(groups, wait=True)
+            next_world.retire(formed.groups, wait=True)
 
         threading.Thread(target=end, name="dynatrain-discard-world", daemon=True).start()
 

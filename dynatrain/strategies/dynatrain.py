@@ -26,12 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from dynatrain.check.hashing import warm_up as warm_up_switch_check
 from dynatrain.elastic import priority
 from dynatrain.elastic.manager import ElasticConfig, ElasticManager, member_info
+from dynatrain.elastic.next_world import world_control_group
 from dynatrain.engine import run_transition
 from dynatrain.models.auto_parallel import AutoOptions, mp_policy_for, parallelize_default
 from dynatrain.models.context_parallel import check_context_parallel
 from dynatrain.models.parallelize import ParallelizeOptions, materialize_model
 from dynatrain.models.registry import zoo_config_of
-from dynatrain.elastic.next_world import world_control_group
 from dynatrain.runtime.lightning_version import check_lightning_version
 from dynatrain.strategies.checkpoint_io import CheckpointIO
 from dynatrain.strategies.data_split import DataSplit

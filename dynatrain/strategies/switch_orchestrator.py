@@ -37,6 +37,7 @@ from dynatrain.switch.joining import Await, Join
 from dynatrain.switch.moves import InWorld, WorldChange, change_inputs
 from dynatrain.switch.payload import JoinPayload
 from dynatrain.switch.prepare import JoinerPrep, MemberPrep, free_working_bytes
+from dynatrain.switch.report import PhaseTimer
 from dynatrain.switch.recovery import RecoveryStop, WorldChangeError
 from dynatrain.switch.report import RecoveryReport, SwitchReport
 from dynatrain.switch.states import capture_states
@@ -403,15 +404,15 @@ class SwitchOrchestrator:
         if self.strategy.switching.verify_switches:
             warm_up_switch_check()  # its check's one-time set-up, before the members wait on it in the switch
         manager.mark_ready()
-        waits = self.join_waits = {}
-        start = time.perf_counter()
+        waits = PhaseTimer()
+        self.join_waits = waits.phases
         change, payload = manager.await_admission(on_wait=prep.poll)
-        waits["admission"] = time.perf_counter() - start
+        waits.lap("admission")
         if payload is None:  # admitted to a world forming while the members train: formed now, the payload after
             manager.join_world(change, None)
-            waits["formation"] = time.perf_counter() - start - waits["admission"]
+            waits.lap("formation")
             payload = manager.await_payload(change, on_wait=prep.poll)
-            waits["payload"] = time.perf_counter() - start - waits["admission"] - waits["formation"]
+            waits.lap("payload")
         self.join_payload = JoinPayload(**payload)
         self.joining = driver.switch_stages(self.ctx, Join(prep, change, self.join_payload),
                                             transfer=self.strategy.switch_transfer)

@@ -93,7 +93,7 @@ class BadRequests(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
-        if trainer.global_step != self.at_step or self.changed is not None or not strategy._switcher.at_boundary():
+        if trainer.global_step != self.at_step or self.changed is not None or not strategy.at_step_boundary():
             return
         before = snapshot(trainer, pl_module)
         self.states = len(before["tensors"])

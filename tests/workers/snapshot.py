@@ -67,13 +67,13 @@ class Script(pl.Callback):
         s = self.snap._inflight
         if s is not None and s.step == self.settle:
             s.future.exception()  # wait for the write to end, failed or not
-        if self.switch and trainer.global_step == self.switch[0] and trainer.strategy._switcher.pending is None:
+        if self.switch and trainer.global_step == self.switch[0] and not trainer.strategy.switch_pending:
             trainer.strategy.request_switch(self.switch[1])
             self.switch = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         s = self.snap._inflight
-        if s is not None and s.step == trainer.global_step and trainer.strategy._switcher.pending is not None:
+        if s is not None and s.step == trainer.global_step and trainer.strategy.switch_pending:
             self.inflight_at_switch.append(not s.future.done())
         if s is not None and s.step == self.reference and self.kept is None:
             self.kept = full_state(pl_module.model, trainer.strategy.optimizers[0])
