@@ -59,6 +59,25 @@ def test_a_scale_in_and_out_keeps_every_global_batch(tmp_path, out_at):
     _assert_same_training(members + joiners, static)
 
 
+def test_world_changes_planned_ahead_form_their_world_while_training_and_keep_every_global_batch(tmp_path):
+    # Planned ahead, the scale-in's members form the three-process world (its mesh's and control groups with it)
+    # while steps go on, and the scale-out's with the joiner, admitted from where it waits as soon as it is ready.
+    common = ["--shuffle", "--steps", "7"]
+    static = launch("hf_data.py", 4, common, tmp_path / "static")
+    args = ["--elastic", "--ahead", *common, "--switches", "1:dp_shard=3;3:dp_shard=4"]
+    members, joiners = launch_elastic("hf_data.py", 4, args, tmp_path / "elastic", joiners=[args], timeout=400)
+    assert sum(m["left"] for m in members) == 1
+    assert [r["layout"] for r in members + joiners if not r["left"]] == ["dp_shard=4"] * 4
+    stayed = [m for m in members if not m["left"]]
+    assert all([r["new_layout"] for r in m["reports"]] == ["dp_shard=3", "dp_shard=4"] for m in stayed)
+    # The scale-in formed while at least a step trained; the scale-out, holding training for its joiner, formed at
+    # the boundary that admitted it (0 steps, not None: not in the stall).
+    for m in stayed:
+        scale_in, scale_out = (r["formed_ahead_steps"] for r in m["reports"])
+        assert scale_in >= 1 and scale_out == 0, m["reports"]
+    _assert_same_training(members + joiners, static)
+
+
 def test_a_protocol_stream_is_re_split_exactly(tmp_path):
     common = ["--data", "protocol", "--shuffle", "--steps", "5"]
     static = launch("hf_data.py", 4, common, tmp_path / "static")

@@ -224,10 +224,13 @@ class AutoLM(LMBase):
 
 
 class Script(pl.Callback):
-    """Requests its entries in order at the first micro-batch of their steps; a refused one is recorded."""
+    """Requests its entries in order at the first micro-batch of their steps; a refused one is recorded. Each request
+    holds training until it can run; with ``ahead`` it is planned ahead too (a world change then forms its world
+    while steps go on, or, for a scale-out, from the boundary that admits its joiners)."""
 
-    def __init__(self, entries: list[tuple[int, str]]) -> None:
+    def __init__(self, entries: list[tuple[int, str]], ahead: bool = False) -> None:
         self.entries, self.next, self.errors, self.untouched = entries, 0, [], []
+        self.ahead = ahead
 
     def state_dict(self) -> dict:
         return {"next": self.next}
@@ -243,7 +246,7 @@ class Script(pl.Callback):
                 self.next += 1
                 before = _snapshot(trainer)
                 try:
-                    trainer.strategy.request_switch(layout, wait=True)
+                    trainer.strategy.request_switch(layout, wait=True, plan_ahead=self.ahead)
                 except ValueError as e:
                     self.errors.append(str(e))
                     self.untouched.append(before == _snapshot(trainer))
@@ -254,6 +257,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layout", default="dp_shard=4")
     ap.add_argument("--switches", default="", help="STEP:LAYOUT;...")
+    ap.add_argument("--ahead", action="store_true", help="request the switches with plan_ahead=True")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--data", default="map", choices=["map", "sampler", "broken", "stream", "protocol"])
     ap.add_argument("--samples", type=int, default=96)
@@ -281,7 +285,7 @@ def main() -> None:
                                            switching={"verify_switches": True, "switch_budget_mb": 0.5},
                                            data={"check_batches": args.check_batches},
                                            elastic={"timeout": 60.0, "join_timeout": 120.0} if args.elastic else None)
-    script = Script(entries)
+    script = Script(entries, ahead=args.ahead)
     callbacks = [script]
     elastic = None
     if args.trace:
