@@ -236,21 +236,3 @@ def test_malloc_figures_count_a_block_while_it_is_held_and_a_trim_keeps_it():
     assert int(block.sum()) == 64 << 20
     del block
     assert malloc_figures()["malloc_in_use_bytes"] < held["malloc_in_use_bytes"] - (60 << 20)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident memory is read from /proc")
-@pytest.mark.parametrize("populate", [True, False])  # the kernel's one call, or the zeroing where it lacks it
-def test_memory_taken_ahead_is_mapped_at_once(monkeypatch, populate):
-    import ctypes
-    import mmap
-
-    from dynatrain.runtime import memory
-
-    if not populate:
-        monkeypatch.setattr(memory, "_madvise", None)
-    n = 64 << 20
-    region = mmap.mmap(-1, n)  # anonymous: no page mapped before the first write
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    before = memory.resident_bytes()
-    memory.map_pages(address + 100, n - 200)  # unaligned ends: only the pages inside the range are the call's
-    assert memory.resident_bytes() - before > n - (8 << 20)

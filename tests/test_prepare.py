@@ -1,21 +1,18 @@
 """The next world prepared in the background: the same plan as at the boundary, used only when the inputs match."""
 
 import json
-import math
 from types import SimpleNamespace
 
 import pytest
 
 from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.configs import get_model_config
-from dynatrain.switch import prepare
 from dynatrain.switch.prepare import (
     INTENT_KEY,
     WARM_KEY,
     ChangeInputs,
     JoinerPrep,
     MemberPrep,
-    member_growth,
     plan_from_payload,
     plan_world_change,
     target_order,
@@ -176,26 +173,6 @@ def _planned_joiner(specs, store, device) -> JoinerPrep:
     joiner.poll(1.0)
     joiner.prepared.result()
     return joiner
-
-
-def test_a_member_whose_states_grow_maps_the_growth_while_training_goes_on_and_frees_it_at_the_switch(
-        specs, monkeypatch):
-    monkeypatch.setattr(prepare, "allocator_keeps", lambda device: True)  # as with dynatrain's heap, or CUDA
-    shrink = inputs(specs, None, target="dp_shard=1", leave=(1,))
-    plan = plan_world_change(shrink).plan
-    whole = sum(math.prod(s.shape) * 4 for s in specs)  # fp32
-    # The member that stays holds its states whole instead of half: half of them more, and as much again to work in.
-    assert 0.9 * whole < member_growth(plan, 0) < 1.1 * whole
-    assert member_growth(plan, 1) == 0  # it leaves
-    stays = MemberPrep(shrink, member=MEMBERS[0], device="cpu")
-    stays.plan()
-    assert stays.drop_warm() == member_growth(plan, 0)
-    assert stays.drop_warm() == 0  # freed once
-    for prep in (MemberPrep(shrink, member=MEMBERS[1], device="cpu"),  # leaves
-                 MemberPrep(inputs(specs, None), member=MEMBERS[0], device="cpu"),  # a scale-out: its shards shrink
-                 MemberPrep(shrink, member=MEMBERS[0])):  # no device given
-        prep.plan()
-        assert prep.drop_warm() == 0
 
 
 def test_rank_zero_publishes_the_intent_from_the_plans_thread_as_soon_as_it_is_planned(specs):

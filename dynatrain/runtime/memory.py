@@ -46,13 +46,6 @@ class _MallInfo2(ctypes.Structure):
 
 
 try:
-    _madvise = ctypes.CDLL(None).madvise
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-except (OSError, AttributeError):
-    _madvise = None
-_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
-
-try:
     _mallinfo2 = ctypes.CDLL(None).mallinfo2  # glibc 2.33 and later
     _mallinfo2.restype = _MallInfo2
 except (OSError, AttributeError):
@@ -202,26 +195,3 @@ def resident_bytes() -> int:
     """This process's resident memory now, in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def map_pages(address: int, nbytes: int) -> None:
-    """Map the pages of ``nbytes`` of this process's memory from ``address`` for writing, now, for memory whose
-    contents do not matter yet: in the kernel in one call where it can (``MADV_POPULATE_WRITE``), else by zeroing it. A C call either way, on the calling thread
-    alone and without the GIL, so a helper thread can do it while the training thread computes (a torch operation
-    there would start intra-op threads of its own beside the training ones)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    start, end = -(-address // page) * page, (address + nbytes) // page * page
-    if _madvise is not None and end > start and _madvise(start, min(end, start + MAP_STEP) - start,
-                                                         _MADV_POPULATE_WRITE) == 0:
-        for at in range(start + MAP_STEP, end, MAP_STEP):
-            _madvise(at, min(end, at + MAP_STEP) - at, _MADV_POPULATE_WRITE)
-        return
-    for at in range(address, address + nbytes, MAP_STEP):
-        ctypes.memset(at, 0, min(address + nbytes, at + MAP_STEP) - at)
-
-
-# Mapping holds the process's memory map for reading, and the training thread's allocator needs it for writing to
-# grow the heap (with the glibc arena's lock held, which every thread's allocations wait for): mapped a step at a time,
-# the training thread waits at most one step's mapping, not the whole block's (which took a 125m scale-in's last old
-# step from 2.7 to 5.2 s on 2 busy cores).
-MAP_STEP = 16 << 20

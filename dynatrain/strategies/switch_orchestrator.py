@@ -347,13 +347,12 @@ class SwitchOrchestrator:
         if not inputs.joiners:
             if request.prep is not None:
                 request.prep.discard()
-            request.prepared(MemberPrep(inputs, form=self._former(inputs), member=member,
-                                        device=strategy.root_device))
+            request.prepared(MemberPrep(inputs, form=self._former(inputs), member=member))
             request.forming_step = self.ctx.step
             return
         # A step boundary: what the allocator holds free now is what the steps work in.
         working = free_working_bytes(strategy.root_device) if strategy.global_rank == 0 else 0
-        request.prepared(MemberPrep(inputs, self.intent_store(), working, member=member, device=strategy.root_device))
+        request.prepared(MemberPrep(inputs, self.intent_store(), working, member=member))
 
     def _former(self, inputs):
         """How a change whose members are all known forms its target generation ahead, once planned."""

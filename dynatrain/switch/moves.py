@@ -113,8 +113,6 @@ class WorldChange(Move):
         inputs = change_inputs(ctx, self.targets, self.target, self.leave, self.joiners, held.captured)
         prepared = self.prepared is not None and self.prepared.inputs == inputs
         self.world_plan: WorldPlan = self.prepared.plan() if prepared else plan_world_change(inputs)
-        if prepared:
-            self.prepared.drop_warm()  # taken while training went on: the transfer and the next step use it
         # The target generation formed while training went on: entered here by the members it keeps (the same
         # inputs on every process, so all of them take this branch alike), departed by the others.
         self.ahead = False
@@ -123,10 +121,11 @@ class WorldChange(Move):
                 raise RuntimeError(f"the world change to {self.target.short()} formed its world ahead from a plan "
                                    "whose inputs no longer hold")
             self.ahead = self.formed
-        elif self.prepared is not None and self.prepared.forms_ahead and prepared:
-            self.ahead = self.prepared.ahead or True
-        if self.prepared is not None and not prepared:
-            self.prepared.discard()
+        elif self.prepared is not None and self.prepared.forms_ahead:
+            if prepared:
+                self.ahead = self.prepared.ahead or True
+            else:
+                self.prepared.discard()
         union = tuple(inputs.union)
         steps = ctx.step - self.forming_step if self.ahead and self.forming_step is not None else None
         return Planned(self.world_plan.plan, self.world_plan.old_layout, self.target,

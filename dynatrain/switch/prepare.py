@@ -31,7 +31,7 @@ from dynatrain import engine
 from dynatrain.runtime import memory
 from dynatrain.runtime.background import Background
 from dynatrain.engine import torch_dtype
-from dynatrain.engine.checks import expected_destinations, expected_sources, tensor_bytes
+from dynatrain.engine.checks import expected_destinations
 from dynatrain.models.mesh_groups import layout_groups
 from dynatrain.models.parallelize import mesh_safe
 from dynatrain.planner.schedule import SwitchPlan, plan_switch
@@ -162,6 +162,7 @@ def plan_from_payload(payload: dict) -> tuple[SwitchPlan, Layout]:
 
 
 WARM_KEY = "working_bytes"  # in a published intent, beside the plan's inputs
+PAGE = 4096  # the smallest page of the hosts this runs on: a write every PAGE bytes maps a larger page too
 
 
 def free_working_bytes(device: "torch.device | str") -> int:
@@ -180,63 +181,36 @@ def warm_allocator(nbytes: int, device: "torch.device | str") -> int:
     """Have the allocator hold at least ``nbytes`` free and mapped, as a member's does between steps: a new process's
     first step then takes its working memory from there instead of mapping it page by page (a gigabyte of page
     faults for a `125m` step on CPU). Returns the bytes it added (0 where the allocator would not keep them)."""
-    if not allocator_keeps(device):
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and not memory.heap_keeps_freed_memory()):
         return 0
     need = int(nbytes) - free_working_bytes(device)
     if need <= 0:
         return 0
-    mapped_block(need, device)  # mapped, then freed to the allocator
+    block = torch.empty(need, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        block[::PAGE].fill_(0)  # one write per page maps it
+    del block
     return need
-
-
-def allocator_keeps(device: "torch.device | str") -> bool:
-    """Whether memory freed on ``device`` stays mapped in its allocator for the next allocation (CUDA's caching
-    allocator; on CPU, the heap with dynatrain's settings), so that mapping it ahead saves a later step the work."""
-    device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and memory.heap_keeps_freed_memory())
-
-
-def mapped_block(nbytes: int, device: "torch.device | str") -> torch.Tensor:
-    """``nbytes`` allocated on ``device`` and, on CPU, mapped (`memory.map_pages`)."""
-    block = torch.empty(int(nbytes), dtype=torch.uint8, device=device)
-    if block.device.type == "cpu":
-        memory.map_pages(block.data_ptr(), block.numel())
-    return block
-
-
-def member_growth(plan: SwitchPlan, me: int) -> int:
-    """The memory process ``me`` holds more after ``plan`` than before, about: its states' growth, and as much again
-    in its steps' working memory (gradients the size of the parameters, an optimizer's temporaries that of its
-    moments); 0 where its states do not grow (a scale-out's members, a process that leaves)."""
-    old = sum(tensor_bytes(shape, dtype) for shape, dtype in expected_sources(plan, me).values())
-    new = sum(tensor_bytes(shape, dtype) for shape, dtype in expected_destinations(plan, me).values())
-    return max(0, 2 * (new - old))
 
 
 class MemberPrep:
     """A member's preparation of one world change: the plan, on its own thread."""
 
     def __init__(self, inputs: ChangeInputs, connect: Callable[[], Any] | None = None, working_bytes: int = 0,
-                 form: Callable[[WorldPlan], Any] | None = None, member: str | None = None,
-                 device: "torch.device | str | None" = None) -> None:
+                 form: Callable[[WorldPlan], Any] | None = None, member: str | None = None) -> None:
         """``connect``: on rank 0, a new connection to the job's store, to publish the intent from the plan's thread
         as soon as it is planned; joiners that get ready before the next step boundary then prepare their side
         before they are admitted, which can be at that boundary. ``working_bytes``: what this member's steps work in
         (`free_working_bytes`), published with the intent for the joiners to warm their allocators with. ``form``:
         given the plan, starts forming the target generation in the background (`WorldGeneration.form_ahead`) and
         returns it, or None on a process the plan leaves out; a change whose members are all known ahead (no
-        joiner) has it. ``member``: this member's id, whose pieces are expanded there too. ``device``: where this
-        member trains; when the plan grows its states, its allocator takes the growth (`member_growth`) on a thread
-        of its own while the steps go on, and holds it until the switch (`drop_warm`): the transfer and the first
-        step after it then find their memory mapped instead of faulting it in inside the stall and the step. The
-        process holds no more than it will after the switch."""
+        joiner) has it. ``member``: this member's id, whose pieces are expanded there too."""
         self.inputs = inputs
         self.published = False
         self.working_bytes = working_bytes
         self.forms_ahead = form is not None
         self.ahead = None  # the target generation, forming, once planned (on a process that stays)
-        self._warm: Background | None = None  # the growth, being mapped (on a process whose states grow)
-        self._block: list[torch.Tensor] = []  # the growth, held until the switch
 
         def plan() -> WorldPlan:
             world_plan = plan_world_change(inputs)
@@ -249,12 +223,7 @@ class MemberPrep:
                 except Exception:  # noqa: BLE001 - `publish` at the next boundary tries again
                     pass
             if member in inputs.union:  # the expansion the check and the engine read (milliseconds), off the stall
-                me = inputs.union.index(member)
-                world_plan.plan.rank_plan(me)
-                grow = member_growth(world_plan.plan, me) if device is not None and allocator_keeps(device) else 0
-                if grow:
-                    self._warm = Background(grow, lambda: self._block.append(mapped_block(grow, device)),
-                                            "dynatrain-member-warm")
+                world_plan.plan.rank_plan(inputs.union.index(member))
             return world_plan
 
         self._plan = Background(inputs, plan, "dynatrain-plan-next-world")
@@ -265,25 +234,15 @@ class MemberPrep:
         return self._plan.error
 
     def discard(self) -> None:
-        """The change will not run as prepared: the generation formed for it ends once formed, the memory taken for
-        it is freed."""
+        """The change will not run as prepared: the generation formed for it ends once formed."""
         def end() -> None:
-            self.drop_warm()
+            self._plan.wait()
             if self.ahead is not None:
                 self.ahead.discard()
                 self.ahead = None
 
-        threading.Thread(target=end, name="dynatrain-discard-prep", daemon=True).start()
-
-    def drop_warm(self) -> int:
-        """Free the growth taken ahead, once mapped (it stays in the allocator, free for the switch to take); the
-        bytes it held."""
-        self._plan.wait()
-        if self._warm is not None:
-            self._warm.wait()
-        held = sum(t.numel() for t in self._block)
-        self._block.clear()
-        return held
+        if self.forms_ahead:
+            threading.Thread(target=end, name="dynatrain-discard-prep", daemon=True).start()
 
     def done(self) -> bool:
         return self._plan.done()
