@@ -24,8 +24,10 @@ import torch
 from dynatrain.check.hashing import indexed_checksum
 
 
-def measure(gib: float, threads: int, dtype: str, repeats: int) -> tuple[list[float], list[float]]:
-    """Wall and CPU seconds per GiB of one 2-d tensor of ``gib`` GiB, per repetition."""
+def measure(gib: float, threads: int, dtype: str, repeats: int) -> tuple[list[float], list[float], list[float]]:
+    """Wall and CPU seconds per GiB of hashing one 2-d tensor of ``gib`` GiB, and wall seconds per GiB of reading it
+    once (a sum of its bytes as int64, memory-bound: what a hash fused into another pass over them could save at
+    most), per repetition."""
     torch.set_num_threads(threads)
     dt = getattr(torch, dtype)
     cols = 4096
@@ -34,13 +36,17 @@ def measure(gib: float, threads: int, dtype: str, repeats: int) -> tuple[list[fl
     idx = [range(rows), range(cols)]
     indexed_checksum(t[:8], [range(8), idx[1]], (rows, cols))  # the one-off checks and tables
     size = t.numel() * dt.itemsize / (1 << 30)
-    wall, cpu = [], []
+    wall, cpu, read = [], [], []
+    words = t.view(-1).view(torch.int64)
     for _ in range(repeats):
         w, c = time.perf_counter(), time.process_time()
         indexed_checksum(t, idx, (rows, cols))
         wall.append((time.perf_counter() - w) / size)
         cpu.append((time.process_time() - c) / size)
-    return wall, cpu
+        w = time.perf_counter()
+        words.sum()
+        read.append((time.perf_counter() - w) / size)
+    return wall, cpu, read
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for dtype in args.dtypes.split(","):
         load = os.getloadavg()[0]
-        runs, cpu = measure(args.gib, args.threads, dtype, args.repeats)
+        runs, cpu, read = measure(args.gib, args.threads, dtype, args.repeats)
         rows.append({"dtype": dtype, "s_per_gib": min(runs), "s_per_gib_each": runs, "cpu_s_per_gib": min(cpu),
-                     "cpu_s_per_gib_each": cpu, "load_average_1min": load})
+                     "cpu_s_per_gib_each": cpu, "read_s_per_gib": min(read), "read_s_per_gib_each": read,
+                     "load_average_1min": load})
         print(f"{dtype:9s} {min(runs):.3f} s/GiB best of {len(runs)} ({', '.join(f'{r:.3f}' for r in runs)}), CPU "
-              f"{min(cpu):.3f}; {args.threads} thread(s), load {load:.2f} on {os.cpu_count()} CPUs", flush=True)
+              f"{min(cpu):.3f}; a plain read {min(read):.3f}; {args.threads} thread(s), load {load:.2f} on "
+              f"{os.cpu_count()} CPUs", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "args": vars(args),
