@@ -45,8 +45,16 @@ def rank_groups(pcfg: ParallelConfig, ranks: Sequence[int], rank: int) -> dict[s
 
 
 def layout_groups(pcfg: ParallelConfig, ranks: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every process group of that mesh, each once, sorted: the same list on every process."""
-    return sorted({g for r in ranks for g in rank_groups(pcfg, ranks, int(r)).values()})
+    """Every process group of that mesh, each once, sorted: the same list on every process. Along each root
+    dimension and flattened name, the grid's spanned axes moved last make one group per row."""
+    grid = _grid(pcfg, ranks)
+    groups: set[tuple[int, ...]] = set()
+    for axes in _axes(pcfg).values():
+        spanned = sorted(axes)
+        rows = np.transpose(grid, [a for a in range(grid.ndim) if a not in axes] + spanned)
+        rows = np.sort(rows.reshape(-1, int(np.prod([grid.shape[a] for a in spanned]))), axis=1)
+        groups.update(map(tuple, rows.tolist()))
+    return sorted(groups)
 
 
 def flattened_layout(layout):
