@@ -60,7 +60,8 @@ class Watcher:
                     union = tuple(sorted(set(members) | set(joiners)))
                     if rank0:
                         store.set(key, json.dumps(joiners))
-                    self.ahead, self.joiners = _form(manager, prep.plan(), union, store if rank0 else None), joiners
+                    self.ahead = form_target(manager, prep.plan(), union, store if rank0 else None)
+                    self.joiners = joiners
                     return
                 self._stop.wait(POLL)
         except Exception:  # noqa: BLE001 - the boundary admits and forms as without the watcher
@@ -119,19 +120,21 @@ def start(orchestrator, request, joiners: list[str]) -> bool:
     if watcher is not None and watcher.take().joiners == list(joiners) and watcher.ahead is not None:
         request.ahead, forming_step = watcher.ahead, watcher.step
     elif isinstance(prep, MemberPrep) and prep.inputs == inputs:
-        request.ahead = _form(manager, prep.plan(), inputs.union, manager.store if rank0 else None)
+        request.ahead = form_target(manager, prep.plan(), inputs.union, manager.store if rank0 else None)
     else:
         connect = orchestrator.intent_store()  # on rank 0: the plan's thread announces on a connection of its own
-        request.prepared(MemberPrep(inputs, form=lambda plan: _form(
+        request.prepared(MemberPrep(inputs, form=lambda plan: form_target(
             manager, plan, inputs.union, connect() if connect is not None else None)))
     request.admitted, request.forming_since, request.forming_step = list(joiners), time.monotonic(), forming_step
     return True
 
 
-def _form(manager, plan, union, store):
-    """Start forming the target generation of ``plan`` (a `WorldPlan` over ``union``) with its mesh's groups; with
-    ``store`` (rank 0's), announce it to the joiners."""
+def form_target(manager, plan, union, store=None):
+    """Start forming the target generation of ``plan`` (a `WorldPlan` over ``union``) with its mesh's groups, and
+    return it; None on a member the plan leaves out. With ``store`` (rank 0's), announce it to the joiners."""
     members, subgroups = plan.target_members(union), plan.mesh_groups()
+    if manager.member_id not in members:
+        return None
     ahead = manager.form_ahead(members, subgroups)
     if store is not None:
         world = manager.world

@@ -357,12 +357,7 @@ class SwitchOrchestrator:
     def _former(self, inputs):
         """How a change whose members are all known forms its target generation ahead, once planned."""
         manager = self.strategy.elastic
-
-        def form(world_plan):
-            members = world_plan.target_members(inputs.union)
-            return manager.form_ahead(members, world_plan.mesh_groups()) if manager.member_id in members else None
-
-        return form
+        return lambda world_plan: formed_ahead.form_target(manager, world_plan, inputs.union)
 
     def intent_store(self):
         """On rank 0, how the plan's thread connects to the store (a connection serves one thread); None
