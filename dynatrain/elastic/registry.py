@@ -23,7 +23,8 @@ class RegistrationError(ValueError):
 
 
 def config_hash(obj: Any) -> str:
-    """A short stable hash of a JSON-able model/training configuration, for ``info["model_config_hash"]``."""
+    """A short stable hash of a JSON-able value: a model/training configuration for ``info["model_config_hash"]``,
+    or a generation's member list for its keys in the store."""
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:16]
 
 

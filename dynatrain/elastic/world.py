@@ -17,7 +17,6 @@ target set alone; members outside the target leave. Steps that would repeat the 
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import threading
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from dynatrain.elastic.broken_world import abort_groups, let_python_see_nccl_errors
 from dynatrain.elastic import next_world
 from dynatrain.elastic.next_world import FormedGroup, form_group
-from dynatrain.elastic.registry import canonical_json, deregister, processes_on_host
+from dynatrain.elastic.registry import canonical_json, config_hash, deregister, processes_on_host
 from dynatrain.runtime.background import Background
 
 def _bound_device(backend: str) -> dict:
@@ -210,7 +209,7 @@ class WorldGeneration:
         # generation number stays the one the change after it will use. Every member of ``members`` forms alike
         # for the same requests, so each counts the same attempts.
         attempt = self._attempts[members] = self._attempts.get(members, 0) + 1
-        key = f"gen{generation}/ahead/{hashlib.sha256(canonical_json(members).encode()).hexdigest()[:12]}-{attempt}"
+        key = f"gen{generation}/ahead/{config_hash(members)}-{attempt}"
         backend, timeout, me = self.backend, self.timeout, self.member_id
         cancel = threading.Event()
 
