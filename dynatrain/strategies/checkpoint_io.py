@@ -17,9 +17,10 @@ from dynatrain.elastic.manager import JOIN_CHECKPOINT
 class CheckpointIO:
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None):
         if str(checkpoint_path) == JOIN_CHECKPOINT:
-            if self._switcher is None or self._switcher.join_payload is None:
+            checkpoint = self.join_checkpoint()
+            if checkpoint is None:
                 raise ValueError(f"ckpt_path={JOIN_CHECKPOINT!r} is for a process started with `dynatrain join`")
-            return self._switcher.join_payload.checkpoint
+            return checkpoint
         from dynatrain.strategies.snapshot_io import is_committed, latest_snapshot, restore_snapshot
 
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -393,6 +393,11 @@ class DynaTrainStrategy(StepHooks, CheckpointIO, OutsideWorldCollectives, ModelP
     def switch_pending(self) -> bool:
         return self._switcher is not None and self._switcher.pending is not None
 
+    def join_checkpoint(self) -> dict | None:
+        """On a process started with `dynatrain join`, the loop state its switch brought; None elsewhere."""
+        payload = self._switcher.join_payload if self._switcher is not None else None
+        return payload.checkpoint if payload is not None else None
+
     def ready_standby(self) -> int | None:
         """How many standby processes (joiners registered, ready and beating) wait outside the world, the warm pool
         a scale-out admits from first, as rank 0 reads it from the store; None on other ranks and in a job that is

@@ -60,7 +60,7 @@ def snapshot(trainer, module) -> dict:
         "accumulation": trainer.accumulate_grad_batches,
         "offset": strategy._switcher.accumulation_offset,
         "data": (data.dp_size, data.dp_rank, data.consumed_samples),
-        "pending": strategy._switcher.pending,
+        "pending": strategy.switch_pending,
     }
 
 
